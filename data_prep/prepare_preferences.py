@@ -1,0 +1,276 @@
+"""Convert preference data (HH-RLHF or generic rows) into parquet splits for training.
+
+    python -m data_prep.prepare_preferences --input pairs.jsonl [--input more.parquet ...] \\
+        --tokenizer path/to/model --out data/ [--validation-fraction 0.05] [--seed 0]
+
+Writes ``train.parquet`` and ``validation.parquet`` (pairs), ``prompts_train.parquet`` and
+``prompts_validation.parquet`` (unique prompts, for PPO), and ``summary.json``. The split is
+by prompt, so no prompt appears in both splits, and deterministic by seed. Prints a table of
+rows read / kept / dropped by reason and token-length percentiles.
+
+A malformed row stops the run with ``file:line: field 'x': ...``; ``--skip-invalid`` skips
+such rows and counts them by reason instead. Identical or empty responses, HH rows whose two
+dialogues diverge before the last turn, and rows over the length limits are always dropped
+and counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from data_prep.preferences import DroppedRow, InvalidRow, PreferencePair, parse_preference_row
+from data_prep.sources import DataError, iter_rows
+from engine.chat import tokenize_pairs
+
+MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+PAIR_SCHEMA = pa.schema(
+    [
+        ("source", pa.string()),
+        ("prompt", MESSAGES),
+        ("chosen", pa.string()),
+        ("rejected", pa.string()),
+        ("margin", pa.float64()),
+        ("components", pa.map_(pa.string(), pa.int8())),
+        ("prompt_tokens", pa.int32()),
+        ("chosen_tokens", pa.int32()),
+        ("rejected_tokens", pa.int32()),
+    ]
+)
+PROMPT_SCHEMA = pa.schema([("source", pa.string()), ("prompt", MESSAGES), ("prompt_tokens", pa.int32())])
+
+
+@dataclass
+class Tally:
+    """Counts of what happened to the input rows."""
+
+    read: int = 0
+    dropped: Counter = field(default_factory=Counter)  # reason -> rows (well-formed, unused)
+    invalid: Counter = field(default_factory=Counter)  # reason -> rows (malformed, skipped)
+
+    @property
+    def kept(self) -> int:
+        return self.read - sum(self.dropped.values()) - sum(self.invalid.values())
+
+
+@dataclass(frozen=True)
+class Row:
+    """A parsed pair with where it came from and its token lengths (responses exclude the prompt)."""
+
+    source: str
+    pair: PreferencePair
+    prompt_tokens: int
+    chosen_tokens: int
+    rejected_tokens: int
+
+
+def read_pairs(
+    inputs: Sequence[str], split: str, skip_invalid: bool, tally: Tally
+) -> list[tuple[str, PreferencePair]]:
+    """Parse every input row; malformed rows raise DataError unless ``skip_invalid``."""
+    pairs = []
+    for source in inputs:
+        for location, raw in iter_rows(source, split):
+            tally.read += 1
+            try:
+                pairs.append((location, parse_preference_row(raw)))
+            except DroppedRow as e:
+                tally.dropped[e.reason] += 1
+            except InvalidRow as e:
+                if not skip_invalid:
+                    raise DataError(f"{location}: {e} (--skip-invalid skips and counts such rows)") from None
+                tally.invalid[e.reason] += 1
+    return pairs
+
+
+def measure_and_filter(
+    pairs: list[tuple[str, PreferencePair]],
+    tokenizer: PreTrainedTokenizerBase,
+    max_prompt_length: int,
+    max_length: int,
+    tally: Tally,
+    chunk: int = 512,
+) -> list[Row]:
+    """Token lengths through the chat template; rows over the limits are dropped and counted."""
+    rows = []
+    for start in range(0, len(pairs), chunk):
+        part = pairs[start : start + chunk]
+        prompts = [p.prompt for _, p in part] * 2
+        responses = [p.chosen for _, p in part] + [p.rejected for _, p in part]
+        prompt_ids, full_ids = tokenize_pairs(tokenizer, prompts, responses)
+        n = len(part)
+        for i, (location, pair) in enumerate(part):
+            prompt_len = len(prompt_ids[i])
+            chosen_len, rejected_len = len(full_ids[i]) - prompt_len, len(full_ids[n + i]) - prompt_len
+            if prompt_len > max_prompt_length:
+                tally.dropped["prompt_too_long"] += 1
+            elif prompt_len + max(chosen_len, rejected_len) > max_length:
+                tally.dropped["too_long"] += 1
+            else:
+                rows.append(Row(location, pair, prompt_len, chosen_len, rejected_len))
+    return rows
+
+
+def split_by_prompt(rows: list[Row], validation_fraction: float, seed: int) -> tuple[list[Row], list[Row]]:
+    """Deterministic train/validation split in which every prompt lands in one split only.
+
+    Prompt groups are visited in a seeded random order and given to validation until it holds
+    ``round(validation_fraction * len(rows))`` rows; both splits keep the input order.
+    """
+    groups: dict[str, list[int]] = {}
+    for i, row in enumerate(rows):
+        groups.setdefault(json.dumps(row.pair.prompt, sort_keys=True), []).append(i)
+    order = np.random.default_rng(seed).permutation(len(groups))
+    members = list(groups.values())
+    target = round(validation_fraction * len(rows))
+    in_validation: set[int] = set()
+    for g in order:
+        if len(in_validation) >= target:
+            break
+        in_validation.update(members[g])
+    train = [r for i, r in enumerate(rows) if i not in in_validation]
+    validation = [r for i, r in enumerate(rows) if i in in_validation]
+    return train, validation
+
+
+def write_pairs(rows: list[Row], path: str) -> None:
+    table = pa.Table.from_pylist(
+        [
+            {
+                "source": r.source,
+                "prompt": r.pair.prompt,
+                "chosen": r.pair.chosen,
+                "rejected": r.pair.rejected,
+                "margin": r.pair.margin,
+                "components": list(r.pair.components.items()),
+                "prompt_tokens": r.prompt_tokens,
+                "chosen_tokens": r.chosen_tokens,
+                "rejected_tokens": r.rejected_tokens,
+            }
+            for r in rows
+        ],
+        schema=PAIR_SCHEMA,
+    )
+    _write_atomically(table, path)
+
+
+def write_prompts(rows: list[Row], path: str) -> int:
+    """Unique prompts (first occurrence kept) for PPO rollouts; returns how many."""
+    seen: set[str] = set()
+    records = []
+    for r in rows:
+        key = json.dumps(r.pair.prompt, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            records.append({"source": r.source, "prompt": r.pair.prompt, "prompt_tokens": r.prompt_tokens})
+    _write_atomically(pa.Table.from_pylist(records, schema=PROMPT_SCHEMA), path)
+    return len(records)
+
+
+def _write_atomically(table: pa.Table, path: str) -> None:
+    # Written beside the target and renamed when whole: a crash never leaves a truncated file.
+    tmp = f"{path}.tmp-{os.getpid()}"
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+
+
+def length_percentiles(rows: list[Row]) -> dict[str, dict[str, int]]:
+    """p50/p90/p99/max of prompt, chosen, rejected and whole-pair token counts."""
+    columns = {
+        "prompt": [r.prompt_tokens for r in rows],
+        "chosen": [r.chosen_tokens for r in rows],
+        "rejected": [r.rejected_tokens for r in rows],
+        "pair": [2 * r.prompt_tokens + r.chosen_tokens + r.rejected_tokens for r in rows],
+    }
+    stats = {}
+    for name, values in columns.items():
+        a = np.asarray(values or [0])
+        stats[name] = {q: int(np.percentile(a, p)) for q, p in (("p50", 50), ("p90", 90), ("p99", 99))}
+        stats[name]["max"] = int(a.max())
+    return stats
+
+
+def format_report(tally: Tally, n_train: int, n_validation: int, lengths: dict[str, dict[str, int]]) -> str:
+    """The end-of-run table: rows by fate and reason, then token-length percentiles."""
+    lines = ["rows", f"  {'read':<28}{tally.read:>8}", f"  {'kept':<28}{tally.kept:>8}"]
+    lines += [f"    {'train':<26}{n_train:>8}", f"    {'validation':<26}{n_validation:>8}"]
+    for title, counts in (("dropped", tally.dropped), ("invalid (skipped)", tally.invalid)):
+        lines.append(f"  {title:<28}{sum(counts.values()):>8}")
+        lines += [f"    {reason:<26}{n:>8}" for reason, n in sorted(counts.items())]
+    lines.append(f"tokens {'':<21}{'p50':>8}{'p90':>8}{'p99':>8}{'max':>8}")
+    for name, s in lengths.items():
+        lines.append(f"  {name:<27}{s['p50']:>8}{s['p90']:>8}{s['p99']:>8}{s['max']:>8}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--input", action="append", required=True, help="file (.jsonl/.jsonl.gz/.json/.parquet) or datasets name/path; repeatable")
+    parser.add_argument("--split", default="train", help="split to read from a datasets name/path")
+    parser.add_argument("--tokenizer", required=True, help="tokenizer (model dir) whose chat template renders the rows")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--validation-fraction", type=float, default=0.05, help="fraction of pairs held out, split by prompt")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the train/validation split")
+    parser.add_argument("--max-prompt-length", type=int, default=512, help="drop pairs whose prompt has more tokens")
+    parser.add_argument("--max-length", type=int, default=1024, help="drop pairs whose prompt + longer response has more tokens")
+    parser.add_argument("--skip-invalid", action="store_true", help="skip malformed rows (counted by reason) instead of failing")
+    args = parser.parse_args(argv)
+    if not 0.0 <= args.validation_fraction < 1.0:
+        parser.error(f"--validation-fraction must be in [0, 1), got {args.validation_fraction}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    tally = Tally()
+    try:
+        pairs = read_pairs(args.input, args.split, args.skip_invalid, tally)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    rows = measure_and_filter(pairs, tokenizer, args.max_prompt_length, args.max_length, tally)
+    if not rows:
+        print(f"error: no usable pairs in {args.input} (read {tally.read})", file=sys.stderr)
+        return 2
+    train, validation = split_by_prompt(rows, args.validation_fraction, args.seed)
+    os.makedirs(args.out, exist_ok=True)
+    write_pairs(train, os.path.join(args.out, "train.parquet"))
+    write_pairs(validation, os.path.join(args.out, "validation.parquet"))
+    n_prompts = {
+        split: write_prompts(split_rows, os.path.join(args.out, f"prompts_{split}.parquet"))
+        for split, split_rows in (("train", train), ("validation", validation))
+    }
+    lengths = length_percentiles(rows)
+    summary = {
+        "inputs": args.input,
+        "tokenizer": args.tokenizer,
+        "seed": args.seed,
+        "read": tally.read,
+        "kept": tally.kept,
+        "train": len(train),
+        "validation": len(validation),
+        "prompts": n_prompts,
+        "dropped": dict(tally.dropped),
+        "invalid": dict(tally.invalid),
+        "token_lengths": lengths,
+    }
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(format_report(tally, len(train), len(validation), lengths))
+    print(f"wrote {args.out}/{{train,validation,prompts_train,prompts_validation}}.parquet")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

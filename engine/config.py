@@ -1,0 +1,194 @@
+"""Typed run configs: one JSON file per run, loaded into dataclasses, with dotted overrides.
+
+A config class is a tree of dataclasses whose fields are made with :func:`option` (a type, a
+default and a one-line description) and :func:`section` (a nested dataclass). :func:`load_config` reads the JSON file, applies
+command-line overrides such as ``--ppo.clip_ratio 0.2``, and builds the tree, rejecting
+unknown keys and wrong types with a message naming the file and the dotted key. A field named
+``deepspeed`` typed ``dict`` may be given inline or as a path to a JSON file (relative to the
+config file, or to the project's ``ds_configs/``). Cross-field checks live in each class's
+``__post_init__`` and raise :class:`ConfigError` with the values involved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import types
+import typing
+from typing import Any, Literal, Sequence, TypeVar, Union
+
+DS_CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ds_configs")
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the file and the key."""
+
+
+def option(default: Any, help: str) -> Any:
+    """A config field with its default and one-line description (mutable defaults are copied)."""
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: json.loads(json.dumps(default)), metadata={"help": help})
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def section(cls: type, help: str) -> Any:
+    """A nested config section, defaulting to the section class's own defaults."""
+    return dataclasses.field(default_factory=cls, metadata={"help": help})
+
+
+def load_config(cls: type[T], path: str, overrides: Sequence[str] = ()) -> T:
+    """Read ``path`` (JSON), apply ``--dotted.key value`` overrides, and build ``cls``."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the config must be a JSON object, got {type(data).__name__}")
+    for key, value in parse_overrides(overrides).items():
+        _set_dotted(cls, data, key, value)
+    return build_config(cls, data, source=path)
+
+
+def build_config(cls: type[T], data: dict[str, Any], source: str) -> T:
+    """Build a config tree from plain data; ``source`` (a file name) prefixes every error."""
+    try:
+        return _build(cls, data, prefix="", base_dir=os.path.dirname(os.path.abspath(source)))
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """Plain, JSON-serialisable data of a config tree (what checkpoints store)."""
+    return dataclasses.asdict(config)
+
+
+def parse_overrides(argv: Sequence[str]) -> dict[str, Any]:
+    """``["--a.b", "1", "--c=x"]`` -> ``{"a.b": 1, "c": "x"}``; values parse as JSON when they can."""
+    overrides: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if not token.startswith("--") or len(token) == 2:
+            raise ConfigError(f"command line: expected --dotted.key VALUE, got {token!r}")
+        if "=" in token:
+            key, text = token[2:].split("=", 1)
+            i += 1
+        elif i + 1 < len(argv):
+            key, text = token[2:], argv[i + 1]
+            i += 2
+        else:
+            raise ConfigError(f"command line: {token} has no value")
+        try:
+            overrides[key] = json.loads(text)
+        except json.JSONDecodeError:
+            overrides[key] = text  # a bare string such as a path
+    return overrides
+
+
+def _set_dotted(cls: type, data: dict[str, Any], key: str, value: Any) -> None:
+    """Put an override into the raw data, checking its path against the schema first."""
+    node, node_cls = data, cls
+    parts = key.split(".")
+    for depth, part in enumerate(parts):
+        fields = {f.name: f for f in dataclasses.fields(node_cls)}
+        if part not in fields:
+            raise ConfigError(f"command line: unknown key '--{key}'{_suggest(part, fields, '.'.join(parts[:depth]))}")
+        if depth == len(parts) - 1:
+            node[part] = value
+            return
+        field_type = typing.get_type_hints(node_cls)[part]
+        if not dataclasses.is_dataclass(field_type):
+            raise ConfigError(f"command line: '--{key}': '{part}' is not a section")
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"command line: '--{key}': '{part}' in the file is not an object")
+        node, node_cls = child, field_type
+
+
+def _build(cls: type, data: Any, prefix: str, base_dir: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"'{prefix.rstrip('.') or '<top>'}' must be an object, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            raise ConfigError(f"unknown key '{prefix}{key}'{_suggest(key, fields, prefix.rstrip('.'))}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name in fields:
+        if name in data:
+            key = prefix + name
+            if name == "deepspeed" and isinstance(data[name], str):
+                kwargs[name] = _load_deepspeed_file(data[name], key, base_dir)
+            else:
+                kwargs[name] = _convert(hints[name], data[name], key, base_dir)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {e}") from None
+
+
+def _convert(tp: Any, value: Any, key: str, base_dir: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key + ".", base_dir)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _convert(inner, value, key, base_dir)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"'{key}' must be one of {list(args)}, got {value!r}")
+        return value
+    if origin is list:
+        _check(isinstance(value, list), key, "a list", value)
+        return [_convert(args[0], v, f"{key}[{i}]", base_dir) for i, v in enumerate(value)]
+    if origin is dict:
+        _check(isinstance(value, dict), key, "an object", value)
+        return {k: _convert(args[1], v, f"{key}.{k}", base_dir) for k, v in value.items()}
+    if tp is Any:
+        return value
+    if tp is bool:
+        _check(isinstance(value, bool), key, "true or false", value)
+    elif tp is int:
+        _check(isinstance(value, int) and not isinstance(value, bool), key, "an integer", value)
+    elif tp is float:
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool), key, "a number", value)
+        return float(value)
+    elif tp is str:
+        _check(isinstance(value, str), key, "a string", value)
+    else:
+        raise TypeError(f"config field '{key}' has an unsupported type {tp!r}")
+    return value
+
+
+def _check(ok: bool, key: str, expected: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"'{key}' must be {expected}, got {json.dumps(value)} ({type(value).__name__})")
+
+
+def _load_deepspeed_file(path: str, key: str, base_dir: str) -> dict[str, Any]:
+    """A DeepSpeed config path: relative to the run config's folder, else to ds_configs/."""
+    for candidate in (os.path.join(base_dir, path), os.path.join(DS_CONFIGS_DIR, path)):
+        if os.path.isfile(candidate):
+            try:
+                with open(candidate) as f:
+                    ds_config = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"'{key}': {candidate}:{e.lineno}: not valid JSON ({e.msg})") from None
+            _check(isinstance(ds_config, dict), key, "a JSON object file", ds_config)
+            return ds_config
+    raise ConfigError(f"'{key}': no file {path!r} next to the config or in {DS_CONFIGS_DIR}")
+
+
+def _suggest(key: str, fields: dict[str, Any], section: str) -> str:
+    close = difflib.get_close_matches(key, list(fields), n=1)
+    where = f" in '{section}'" if section else ""
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return f"{where}{hint}; known keys: {', '.join(fields)}"

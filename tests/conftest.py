@@ -1,0 +1,43 @@
+"""Shared fixtures: the synthetic task, a tiny model built from it, and the real HH file."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+HH_PATH = REPO.parent / "shared" / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
+
+# Quiet, deterministic, offline defaults for everything the tests start (subprocesses inherit).
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+
+@pytest.fixture(scope="session")
+def synthetic_pairs(tmp_path_factory) -> Path:
+    from data_prep import synthetic_task
+
+    path = tmp_path_factory.mktemp("synthetic") / "pairs.jsonl"
+    assert synthetic_task.main(["--out", str(path), "--num-pairs", "600", "--seed", "0"]) == 0
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, synthetic_pairs) -> Path:
+    from data_prep import make_tiny_model
+
+    out = tmp_path_factory.mktemp("tiny") / "model"
+    assert make_tiny_model.main(["--text", str(synthetic_pairs), "--out", str(out), "--num-layers", "2"]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def hh_path() -> Path:
+    if not HH_PATH.is_file():
+        pytest.skip(f"real HH-RLHF data not found at {HH_PATH} (it lives in ../shared/data/hh-rlhf/)")
+    return HH_PATH
+
