@@ -81,14 +81,14 @@ def build_model(
     max_position_embeddings: int,
     seed: int,
 ) -> LlamaForCausalLM:
-    """Random-init Llama sized for CPU tests; vocab rounded up to a multiple of 64."""
+    """Random-init Llama sized for CPU tests, one embedding row per tokenizer token."""
     head_dim = hidden_size // num_heads
     if hidden_size % num_heads or head_dim not in VLLM_CPU_HEAD_DIMS:
         raise ValueError(
             f"hidden_size {hidden_size} / num_heads {num_heads} must give a head_dim in {VLLM_CPU_HEAD_DIMS} (vLLM-cpu)"
         )
     config = LlamaConfig(
-        vocab_size=-(-len(tokenizer) // 64) * 64,
+        vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
