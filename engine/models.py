@@ -1,0 +1,55 @@
+"""Loading the models the scripts train: a causal LM (actor, reference) and a value model.
+
+The value model (reward model, critic) is the causal LM's backbone with a linear head giving
+one score per reward component at every token: transformers' ``AutoModelForTokenClassification``
+(``Linear(hidden, n_components)``, dropout off). It saves and loads in plain HF format with the
+component names as ``id2label``, so the PPO script, transformers and users load it without
+custom code. The reward is the score at a sequence's last token; critic values are the scores
+at every token.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, PreTrainedModel
+
+
+def load_causal_lm(
+    path: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa", trust_remote_code: bool = False
+) -> PreTrainedModel:
+    """A causal LM from an HF checkpoint directory (or hub name)."""
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+    )
+
+
+def load_value_model(
+    path: str,
+    components: Sequence[str] = ("reward",),
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
+    """Backbone + per-token ``Linear(hidden, len(components))`` from a causal-LM or value checkpoint.
+
+    From a causal LM the head is freshly initialised; from a saved value model the components
+    must match its ``id2label``.
+    """
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if any(a.endswith("ForTokenClassification") for a in config.architectures or []):
+        saved = [config.id2label[i] for i in sorted(config.id2label)]
+        if saved != list(components):
+            raise ValueError(f"{path} is a value model with components {saved}, not {list(components)}")
+    config.num_labels = len(components)
+    config.id2label = dict(enumerate(components))
+    config.label2id = {name: i for i, name in enumerate(components)}
+    config.classifier_dropout = 0.0  # a dropout before the head would make rewards random in training
+    return AutoModelForTokenClassification.from_pretrained(
+        path,
+        config=config,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+    )

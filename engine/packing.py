@@ -1,0 +1,107 @@
+"""Sequence packing: several sequences in one row, attention kept inside each sequence.
+
+A micro-batch of token sequences becomes one row ``input_ids (1, T)`` with ``position_ids``
+restarting at 0 for every sequence and no attention mask. transformers 5.19 turns such
+position_ids into a block-diagonal causal mask for ``sdpa`` and ``eager`` attention, and
+``flash_attention_2`` uses them for its varlen kernel; any other implementation gets an
+explicit 4-D block-diagonal mask (:func:`block_causal_mask`). ``use_cache=False`` is
+mandatory: with a KV cache transformers skips the packed-sequence detection and attention
+crosses sequence boundaries (max logit error 6.5 instead of 5e-6, seen on 5.19 / CPU).
+
+Outputs come back unpacked: per-token values as one tensor per sequence, per-sequence values
+(a reward) read at each sequence's last token, next-token log-probs within each sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+# Implementations verified to honour packed position_ids (tests/test_packing.py).
+POSITION_ID_PACKING = ("sdpa", "eager", "flash_attention_2")
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Sequences concatenated into one row.
+
+    ``seq_lens`` lists the real sequences; an empty micro-batch (a rank with nothing left to do
+    while others still train) packs one padding token and has ``seq_lens == []``.
+    """
+
+    input_ids: torch.Tensor  # (1, T) long
+    position_ids: torch.Tensor  # (1, T) long, restarting at 0 per sequence
+    seq_lens: list[int]
+
+    @property
+    def starts(self) -> list[int]:
+        """Offset of each sequence in the row."""
+        out, offset = [], 0
+        for n in self.seq_lens:
+            out.append(offset)
+            offset += n
+        return out
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.seq_lens)
+
+
+def pack_sequences(sequences: Sequence[Sequence[int]], pad_token_id: int = 0) -> PackedBatch:
+    """Concatenate token sequences into one row with per-sequence position ids."""
+    if any(len(s) == 0 for s in sequences):
+        raise ValueError("cannot pack an empty sequence")
+    if not sequences:  # a dummy row: the forward still runs, so ZeRO's collectives line up
+        return PackedBatch(torch.tensor([[pad_token_id]]), torch.zeros(1, 1, dtype=torch.long), [])
+    input_ids = torch.tensor([[t for s in sequences for t in s]], dtype=torch.long)
+    position_ids = torch.cat([torch.arange(len(s)) for s in sequences]).unsqueeze(0)
+    return PackedBatch(input_ids, position_ids, [len(s) for s in sequences])
+
+
+def block_causal_mask(packed: PackedBatch, dtype: torch.dtype) -> torch.Tensor:
+    """Explicit additive mask (1, 1, T, T): 0 where query and key share a sequence and key <= query."""
+    seq_id = torch.repeat_interleave(torch.arange(max(1, len(packed.seq_lens))), torch.tensor(packed.seq_lens or [1]))
+    T = seq_id.numel()
+    allowed = (seq_id[:, None] == seq_id[None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
+    mask = torch.zeros(T, T, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]  # (1, 1, T, T)
+
+
+def packed_forward(model: torch.nn.Module, packed: PackedBatch) -> torch.Tensor:
+    """Run ``model`` on a packed row; returns its ``logits`` (1, T, ...) for every token.
+
+    Works for causal LMs (logits over the vocabulary) and token-classification value models
+    (one score per component), bare or wrapped in a DeepSpeed engine.
+    """
+    hf_model = getattr(model, "module", model)  # a DeepSpeedEngine's .config is DeepSpeed's, not the model's
+    attn = hf_model.config._attn_implementation
+    kwargs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "use_cache": False}
+    if attn not in POSITION_ID_PACKING:
+        kwargs["attention_mask"] = block_causal_mask(packed, hf_model.dtype)
+    return model(**kwargs).logits
+
+
+def unpack(per_token: torch.Tensor, packed: PackedBatch) -> list[torch.Tensor]:
+    """(1, T, ...) -> one (L_i, ...) tensor per sequence, in packing order."""
+    return list(per_token[0, : packed.num_tokens].split(packed.seq_lens)) if packed.seq_lens else []
+
+
+def last_token(per_token: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+    """(1, T, ...) -> (N, ...): the value at each sequence's last token (a reward)."""
+    ends = torch.tensor([s + n - 1 for s, n in zip(packed.starts, packed.seq_lens)], dtype=torch.long)
+    return per_token[0, ends]
+
+
+def next_token_logprobs(logits: torch.Tensor, packed: PackedBatch) -> list[torch.Tensor]:
+    """log p(token[t+1] | tokens[:t+1]) inside each sequence: one (L_i - 1,) tensor each.
+
+    Computed as ``logit[target] - logsumexp(logits)`` in float32, without materialising the
+    full (T, V) log-softmax. The last position of a sequence predicts the next sequence's first
+    token and is dropped.
+    """
+    logits = logits[0].float()  # (T, V)
+    targets = packed.input_ids[0, 1:]  # (T - 1,)
+    token_logprobs = logits[:-1].gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits[:-1], dim=-1)
+    return [token_logprobs[s : s + n - 1] for s, n in zip(packed.starts, packed.seq_lens)]

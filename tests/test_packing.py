@@ -1,0 +1,176 @@
+"""Packed forwards equal padded forwards; packed, dynamically batched gradients equal padded ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.batching import plan_micro_batches, token_mean_scale
+from engine.models import load_causal_lm, load_value_model
+from engine.packing import (
+    last_token,
+    next_token_logprobs,
+    pack_sequences,
+    packed_forward,
+    unpack,
+)
+
+LENGTHS = [7, 1, 23, 12, 2, 30, 9]
+ATTENTION = ["sdpa", "eager"]
+
+
+def make_sequences(lengths, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def pad_right(sequences, pad_id=0):
+    """(B, L) ids and (B, L) mask, True where the token counts."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(sequences), width, dtype=torch.bool)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = True
+    return ids, mask
+
+
+def padded_logprobs(model, sequences):
+    ids, mask = pad_right(sequences)
+    logits = model(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits.float()
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, L-1)
+    return [lp[i, : len(s) - 1] for i, s in enumerate(sequences)]
+
+
+@pytest.fixture(scope="module", params=ATTENTION)
+def causal_lm(request, tiny_model_dir):
+    return load_causal_lm(str(tiny_model_dir), attn_implementation=request.param).eval()
+
+
+@pytest.fixture(scope="module", params=ATTENTION)
+def value_model(request, tiny_model_dir):
+    torch.manual_seed(0)
+    return load_value_model(str(tiny_model_dir), ["helpful", "harmless"], attn_implementation=request.param).eval()
+
+
+def test_packed_logprobs_equal_padded(causal_lm):
+    seqs = make_sequences(LENGTHS, causal_lm.config.vocab_size)
+    packed = pack_sequences(seqs)
+    with torch.no_grad():
+        got = next_token_logprobs(packed_forward(causal_lm, packed), packed)
+        want = padded_logprobs(causal_lm, seqs)
+    assert [g.shape[0] for g in got] == [n - 1 for n in LENGTHS]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+
+
+def test_packing_really_isolates_sequences(causal_lm):
+    """Control: the same row with one ordinary causal mask gives different log-probs."""
+    seqs = make_sequences([10, 10], causal_lm.config.vocab_size)
+    packed = pack_sequences(seqs)
+    with torch.no_grad():
+        isolated = next_token_logprobs(packed_forward(causal_lm, packed), packed)[1]
+        leaky = causal_lm(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=True).logits
+        leaked = next_token_logprobs(leaky, packed)[1]
+    assert (isolated - leaked).abs().max() > 1e-3
+
+
+def test_explicit_mask_fallback_equals_position_id_packing(causal_lm, monkeypatch):
+    seqs = make_sequences(LENGTHS, causal_lm.config.vocab_size)
+    packed = pack_sequences(seqs)
+    with torch.no_grad():
+        by_positions = packed_forward(causal_lm, packed)
+        monkeypatch.setattr("engine.packing.POSITION_ID_PACKING", ())
+        by_mask = packed_forward(causal_lm, packed)
+    torch.testing.assert_close(by_mask, by_positions, atol=1e-5, rtol=0)
+
+
+def test_packed_values_and_rewards_equal_padded(value_model):
+    seqs = make_sequences(LENGTHS, value_model.config.vocab_size, seed=1)
+    packed = pack_sequences(seqs)
+    ids, mask = pad_right(seqs)
+    with torch.no_grad():
+        per_token = packed_forward(value_model, packed)  # (1, T, 2)
+        padded = value_model(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits  # (B, L, 2)
+    for i, (v, n) in enumerate(zip(unpack(per_token, packed), LENGTHS)):
+        assert v.shape == (n, 2)
+        torch.testing.assert_close(v, padded[i, :n], atol=1e-5, rtol=0)
+    rewards = last_token(per_token, packed)  # (N, 2)
+    want = torch.stack([padded[i, n - 1] for i, n in enumerate(LENGTHS)])
+    torch.testing.assert_close(rewards, want, atol=1e-5, rtol=0)
+
+
+def test_empty_micro_batch_is_a_one_token_dummy():
+    packed = pack_sequences([], pad_token_id=3)
+    assert packed.input_ids.tolist() == [[3]] and packed.seq_lens == [] and packed.num_tokens == 0
+    assert unpack(torch.zeros(1, 1, 2), packed) == []
+    with pytest.raises(ValueError, match="empty sequence"):
+        pack_sequences([[1], []])
+
+
+def grads_of(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_packed_dynamic_step_gradients_equal_padded_full_batch(tiny_model_dir):
+    """Token-mean NLL over a mini-batch: padded one-shot vs packed micro-batches of <= 40 tokens."""
+    model = load_causal_lm(str(tiny_model_dir))
+    seqs = make_sequences(LENGTHS, model.config.vocab_size, seed=2)
+
+    model.zero_grad()
+    lp = padded_logprobs(model, seqs)
+    (-torch.cat(lp).sum() / sum(n - 1 for n in LENGTHS)).backward()
+    want = grads_of(model)
+
+    model.zero_grad()
+    plan = plan_micro_batches([len(s) for s in seqs], max_tokens=40)
+    assert len(plan) > 2  # really several micro-batches
+    scale = token_mean_scale(sum(n - 1 for n in LENGTHS), world_size=1)
+    for micro in plan:
+        packed = pack_sequences([seqs[i] for i in micro])
+        lp = next_token_logprobs(packed_forward(model, packed), packed)
+        (-torch.cat(lp).sum() * scale).backward()
+    got = grads_of(model)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=0, msg=name)
+
+
+def test_reward_pairs_packed_together_give_padded_bt_gradients(tiny_model_dir):
+    """Sequence-level loss: chosen/rejected of a pair stay adjacent in one micro-batch."""
+    torch.manual_seed(0)
+    model = load_value_model(str(tiny_model_dir))
+    chosen = make_sequences([9, 14, 3, 20], model.config.vocab_size, seed=3)
+    rejected = make_sequences([11, 4, 16, 8], model.config.vocab_size, seed=4)
+
+    model.zero_grad()
+    ids, mask = pad_right(chosen + rejected)
+    scores = model(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits[..., 0]  # (2B, L)
+    ends = mask.sum(1) - 1
+    r = scores[torch.arange(len(ends)), ends]
+    (-F.logsigmoid(r[:4] - r[4:]).mean()).backward()
+    want = grads_of(model)
+
+    model.zero_grad()
+    pair_lengths = [len(c) + len(j) for c, j in zip(chosen, rejected)]
+    plan = plan_micro_batches(pair_lengths, max_tokens=30)
+    seen = []
+    for micro in plan:
+        packed = pack_sequences([s for i in micro for s in (chosen[i], rejected[i])])
+        rewards = last_token(packed_forward(model, packed), packed)[:, 0].view(-1, 2)  # (pairs, [chosen, rejected])
+        (-F.logsigmoid(rewards[:, 0] - rewards[:, 1]).sum() * token_mean_scale(4, 1)).backward()
+        seen += micro
+    assert sorted(seen) == [0, 1, 2, 3]
+    for name, g in grads_of(model).items():
+        torch.testing.assert_close(g, want[name], atol=1e-5, rtol=0, msg=name)
+
+
+def test_value_model_components_are_named_and_checked(tiny_model_dir, tmp_path):
+    model = load_value_model(str(tiny_model_dir), ["helpful", "harmless"])
+    model.save_pretrained(tmp_path / "rm")
+    again = load_value_model(str(tmp_path / "rm"), ["helpful", "harmless"])
+    assert again.config.id2label == {0: "helpful", 1: "harmless"}
+    torch.testing.assert_close(again.score.weight, model.score.weight)
+    with pytest.raises(ValueError, match="components"):
+        load_value_model(str(tmp_path / "rm"), ["reward"])
