@@ -15,9 +15,11 @@ from typing import Sequence
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, PreTrainedModel
 
+from engine.packing import VARLEN_SDPA  # importing it registers that attention implementation
+
 
 def load_causal_lm(
-    path: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa", trust_remote_code: bool = False
+    path: str, dtype: torch.dtype = torch.float32, attn_implementation: str = VARLEN_SDPA, trust_remote_code: bool = False
 ) -> PreTrainedModel:
     """A causal LM from an HF checkpoint directory (or hub name)."""
     return AutoModelForCausalLM.from_pretrained(
@@ -29,7 +31,7 @@ def load_value_model(
     path: str,
     components: Sequence[str] = ("reward",),
     dtype: torch.dtype = torch.float32,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = VARLEN_SDPA,
     trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     """Backbone + per-token ``Linear(hidden, len(components))`` from a causal-LM or value checkpoint.

@@ -1,12 +1,20 @@
 """Sequence packing: several sequences in one row, attention kept inside each sequence.
 
 A micro-batch of token sequences becomes one row ``input_ids (1, T)`` with ``position_ids``
-restarting at 0 for every sequence and no attention mask. transformers 5.19 turns such
-position_ids into a block-diagonal causal mask for ``sdpa`` and ``eager`` attention, and
-``flash_attention_2`` uses them for its varlen kernel; any other implementation gets an
-explicit 4-D block-diagonal mask (:func:`block_causal_mask`). ``use_cache=False`` is
-mandatory: with a KV cache transformers skips the packed-sequence detection and attention
-crosses sequence boundaries (max logit error 6.5 instead of 5e-6, seen on 5.19 / CPU).
+restarting at 0 for every sequence and no attention mask. Attention implementations:
+
+* ``sdpa_varlen`` (registered here; the default for training): causal SDPA run separately on
+  each sequence of the row, from ``cu_seq_lens`` -- the CPU counterpart of flash-attn's varlen
+  kernel. Cost sum(L_i^2) instead of T^2; outside packed calls it is plain ``sdpa``.
+* ``flash_attention_2`` (GPU): transformers derives the varlen boundaries from position_ids.
+* ``sdpa`` and ``eager``: transformers 5.19 turns packed position_ids into a block-diagonal
+  T x T mask (correct, but attention costs T^2: 2-4x slower than ``sdpa_varlen`` at 2-4k
+  tokens per row on CPU, bench/packing_bench.py).
+* anything else gets an explicit 4-D block-diagonal mask (:func:`block_causal_mask`).
+
+``use_cache=False`` is mandatory: with a KV cache transformers skips the packed-sequence
+detection and attention crosses sequence boundaries (max logit error 6.5 instead of 5e-6,
+seen on 5.19 / CPU).
 
 Outputs come back unpacked: per-token values as one tensor per sequence, per-sequence values
 (a reward) read at each sequence's last token, next-token log-probs within each sequence.
@@ -18,9 +26,48 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-# Implementations verified to honour packed position_ids (tests/test_packing.py).
+VARLEN_SDPA = "sdpa_varlen"
+# Implementations verified to keep packed sequences apart from position_ids alone (tests/test_packing.py).
 POSITION_ID_PACKING = ("sdpa", "eager", "flash_attention_2")
+
+
+def varlen_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # (1, H, T, D)
+    key: torch.Tensor,  # (1, H_kv, T, D)
+    value: torch.Tensor,  # (1, H_kv, T, D)
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Causal SDPA inside each packed sequence (``cu_seq_lens_q`` boundaries); plain sdpa otherwise."""
+    cu_seq_lens = kwargs.get("cu_seq_lens_q")
+    if cu_seq_lens is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    groups = getattr(module, "num_key_value_groups", 1)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # (1, H, T, D)
+    bounds = cu_seq_lens.tolist()
+    out = torch.cat(
+        [
+            F.scaled_dot_product_attention(
+                query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=dropout, scale=scaling, is_causal=True
+            )
+            for s, e in zip(bounds[:-1], bounds[1:])
+        ],
+        dim=2,
+    )  # (1, H, T, D)
+    return out.transpose(1, 2).contiguous(), None  # (1, T, H, D), as transformers expects
+
+
+AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
+# Masks as for sdpa (used by non-packed calls such as generate); packed calls ignore them.
+AttentionMaskInterface.register(VARLEN_SDPA, sdpa_mask)
 
 
 @dataclass(frozen=True)
@@ -47,6 +94,12 @@ class PackedBatch:
     @property
     def num_tokens(self) -> int:
         return sum(self.seq_lens)
+
+    @property
+    def cu_seq_lens(self) -> torch.Tensor:
+        """(N + 1,) int32 boundaries [0, L_0, L_0 + L_1, ...] (the dummy row counts as one sequence)."""
+        lens = self.seq_lens or [self.input_ids.shape[1]]
+        return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
 
 
 def pack_sequences(sequences: Sequence[Sequence[int]], pad_token_id: int = 0) -> PackedBatch:
@@ -78,7 +131,9 @@ def packed_forward(model: torch.nn.Module, packed: PackedBatch) -> torch.Tensor:
     hf_model = getattr(model, "module", model)  # a DeepSpeedEngine's .config is DeepSpeed's, not the model's
     attn = hf_model.config._attn_implementation
     kwargs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "use_cache": False}
-    if attn not in POSITION_ID_PACKING:
+    if attn == VARLEN_SDPA:
+        kwargs["cu_seq_lens_q"] = kwargs["cu_seq_lens_k"] = packed.cu_seq_lens
+    elif attn not in POSITION_ID_PACKING:
         kwargs["attention_mask"] = block_causal_mask(packed, hf_model.dtype)
     return model(**kwargs).logits
 

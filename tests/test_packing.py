@@ -17,7 +17,7 @@ from engine.packing import (
 )
 
 LENGTHS = [7, 1, 23, 12, 2, 30, 9]
-ATTENTION = ["sdpa", "eager"]
+ATTENTION = ["sdpa_varlen", "sdpa", "eager"]
 
 
 def make_sequences(lengths, vocab, seed=0):
