@@ -1,7 +1,8 @@
 """Typed run configs: one JSON file per run, loaded into dataclasses, with dotted overrides.
 
 A config class is a tree of dataclasses whose fields are made with :func:`option` (a type, a
-default and a one-line description) and :func:`section` (a nested dataclass). :func:`load_config` reads the JSON file, applies
+default and a one-line description), :func:`required` (no default) and :func:`section` (a
+nested dataclass). :func:`load_config` reads the JSON file, applies
 command-line overrides such as ``--ppo.clip_ratio 0.2``, and builds the tree, rejecting
 unknown keys and wrong types with a message naming the file and the dotted key. A field named
 ``deepspeed`` typed ``dict`` may be given inline or as a path to a JSON file (relative to the
@@ -32,6 +33,14 @@ def option(default: Any, help: str) -> Any:
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: json.loads(json.dumps(default)), metadata={"help": help})
     return dataclasses.field(default=default, metadata={"help": help})
+
+
+def required(help: str) -> Any:
+    """A config field without a default: the file (or command line) must give it.
+
+    Dataclass rule: required fields come before fields with defaults in their class.
+    """
+    return dataclasses.field(metadata={"help": help})
 
 
 def section(cls: type, help: str) -> Any:
@@ -120,7 +129,9 @@ def _build(cls: type, data: Any, prefix: str, base_dir: str) -> Any:
             raise ConfigError(f"unknown key '{prefix}{key}'{_suggest(key, fields, prefix.rstrip('.'))}")
     hints = typing.get_type_hints(cls)
     kwargs = {}
-    for name in fields:
+    for name, f in fields.items():
+        if name not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"missing required key '{prefix}{name}' ({f.metadata.get('help', '')})")
         if name in data:
             key = prefix + name
             if name == "deepspeed" and isinstance(data[name], str):

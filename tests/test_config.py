@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 import pytest
 
-from engine.config import ConfigError, config_to_dict, load_config, option, parse_overrides, section
+from engine.config import ConfigError, config_to_dict, load_config, option, parse_overrides, required, section
 
 
 @dataclass
@@ -136,3 +136,23 @@ def test_deepspeed_inline_or_path(tmp_path):
         load_config(RunConfig, write(tmp_path, {"deepspeed": "nope.json"}))
     via_cli = load_config(RunConfig, write(tmp_path, {}), ["--deepspeed", "zero2.json"])
     assert via_cli.deepspeed["zero_optimization"]["stage"] == 2
+
+
+@dataclass
+class WithRequired:
+    path: str = required("model path")
+    seed: int = option(0, "seed")
+
+
+@dataclass
+class Outer:
+    model: WithRequired = required("model section")
+    extra: int = option(1, "extra")
+
+
+def test_required_keys_are_named(tmp_path):
+    with pytest.raises(ConfigError, match=re.escape("missing required key 'model' (model section)")):
+        load_config(Outer, write(tmp_path, {}))
+    with pytest.raises(ConfigError, match=re.escape("missing required key 'model.path' (model path)")):
+        load_config(Outer, write(tmp_path, {"model": {"seed": 1}}))
+    assert load_config(Outer, write(tmp_path, {}), ["--model.path", "m"]).model.path == "m"

@@ -1,0 +1,104 @@
+"""DeepSpeed glue: one free function per job (config, load, wrap, save). No training logic."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from typing import Any, Callable
+
+import deepspeed
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
+from transformers.integrations import HfDeepSpeedConfig
+
+
+def training_ds_config(ds_config: dict[str, Any], bf16: bool) -> dict[str, Any]:
+    """The user's DeepSpeed config adapted to token-budget batching.
+
+    Micro-batches have varying sizes and counts, so DeepSpeed's own batch bookkeeping is
+    neutralised (micro batch 1, no GAS) and ``managed_gradient_accumulation`` is turned off
+    (deepspeed 0.19): every ``backward`` accumulates, ``step()`` is the boundary that reduces
+    and updates, whatever the number of micro-steps before it.
+    """
+    cfg = copy.deepcopy(ds_config)
+    for key in ("train_batch_size", "fp16"):
+        cfg.pop(key, None)
+    cfg["train_micro_batch_size_per_gpu"] = 1
+    cfg["gradient_accumulation_steps"] = 1
+    cfg["managed_gradient_accumulation"] = False
+    cfg["bf16"] = {"enabled": bf16}
+    cfg.setdefault("gradient_clipping", 1.0)
+    return cfg
+
+
+def zero_stage(ds_config: dict[str, Any]) -> int:
+    return int(ds_config.get("zero_optimization", {}).get("stage", 0))
+
+
+def load_partitioned(loader: Callable[[], PreTrainedModel], ds_config: dict[str, Any]) -> tuple[PreTrainedModel, Any]:
+    """Run ``loader`` (a ``from_pretrained`` call) so that ZeRO-3 partitions weights as they load.
+
+    Returns ``(model, keep_alive)``: hold ``keep_alive`` for the engine's lifetime. While it is
+    alive transformers treats every ``from_pretrained`` as a collective (all ranks must call it).
+    Raw ``deepspeed.zero.Init`` around a transformers 5 model breaks (field notes), hence
+    ``HfDeepSpeedConfig``.
+    """
+    keep_alive = HfDeepSpeedConfig(ds_config) if zero_stage(ds_config) == 3 else None
+    return loader(), keep_alive
+
+
+def initialize_training_engine(
+    model: PreTrainedModel,
+    ds_config: dict[str, Any],
+    lr: float,
+    betas: tuple[float, float],
+    weight_decay: float,
+    lr_scheduler: str,
+    warmup_steps: int,
+    total_steps: int,
+):
+    """Wrap ``model`` with torch AdamW and a warm-up schedule in a DeepSpeed engine.
+
+    torch's AdamW rather than DeepSpeed's: FusedAdam / DeepSpeedCPUAdam are JIT-compiled on
+    first use (~100 s each on CPU); ZeRO partitions any torch optimizer.
+    """
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=lr, betas=betas, weight_decay=weight_decay
+    )
+    scheduler = get_scheduler(lr_scheduler, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+    return engine
+
+
+def full_state_dict(engine) -> dict[str, torch.Tensor] | None:
+    """The unpartitioned weights on rank 0 (None elsewhere). A collective under ZeRO-3."""
+    if engine.zero_optimization_partition_weights():
+        return engine._zero3_consolidated_16bit_state_dict()
+    return engine.module.state_dict() if torch.distributed.get_rank() == 0 else None
+
+
+def save_hf_model(
+    engine, tokenizer: PreTrainedTokenizerBase, out_dir: str, extra_json: dict[str, dict] | None = None
+) -> None:
+    """Save the engine's model in HF format (safetensors + config + tokenizer) to ``out_dir``.
+
+    All ranks call it. Rank 0 writes into a temporary sibling and renames it into place, so
+    ``out_dir`` holds a complete model at every moment but one rename.
+    """
+    state = full_state_dict(engine)
+    if torch.distributed.get_rank() == 0:
+        tmp = f"{out_dir}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        engine.module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        for name, payload in (extra_json or {}).items():
+            with open(os.path.join(tmp, name), "w") as f:
+                json.dump(payload, f, indent=2)
+        old = f"{out_dir}.old"
+        if os.path.isdir(out_dir):
+            os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    torch.distributed.barrier()

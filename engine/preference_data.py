@@ -1,0 +1,76 @@
+"""Tokenized preference pairs from the parquet files of data_prep/prepare_preferences.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from engine.chat import tokenize_pairs
+
+REQUIRED_COLUMNS = ("prompt", "chosen", "rejected", "margin", "components")
+
+
+@dataclass(frozen=True)
+class PreferenceExample:
+    """One pair as token ids: prompt + chosen, prompt + rejected (each a full conversation)."""
+
+    chosen_ids: list[int]
+    rejected_ids: list[int]
+    margin: float  # 0.0 where the data gives none
+    labels: tuple[int, ...]  # per configured component: +1 chosen better, -1 rejected better, 0 unlabelled
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.chosen_ids) + len(self.rejected_ids)
+
+
+def load_preferences(
+    path: str, tokenizer: PreTrainedTokenizerBase, components: Sequence[str], use_margin: bool, chunk: int = 1024
+) -> list[PreferenceExample]:
+    """Read and tokenize a pairs parquet; labels follow the order of ``components``."""
+    table = pq.read_table(path)
+    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
+    if missing:
+        raise ValueError(f"{path}: missing column(s) {missing}; prepare it with data_prep/prepare_preferences.py")
+    rows = table.select(list(REQUIRED_COLUMNS)).to_pylist()
+    if not rows:
+        raise ValueError(f"{path}: no pairs")
+    examples = []
+    for start in range(0, len(rows), chunk):
+        part = rows[start : start + chunk]
+        prompts = [r["prompt"] for r in part] * 2
+        _, full = tokenize_pairs(tokenizer, prompts, [r["chosen"] for r in part] + [r["rejected"] for r in part])
+        for i, r in enumerate(part):
+            labels = dict(r["components"] or [])
+            examples.append(
+                PreferenceExample(
+                    chosen_ids=full[i],
+                    rejected_ids=full[len(part) + i],
+                    margin=float(r["margin"]) if use_margin and r["margin"] is not None else 0.0,
+                    labels=tuple(int(labels.get(name, 0)) for name in components),
+                )
+            )
+    if len(components) > 1:
+        for c, name in enumerate(components):
+            if not any(e.labels[c] for e in examples):
+                raise ValueError(f"{path}: component '{name}' is configured but no pair carries its label")
+    return examples
+
+
+def epoch_order(num_examples: int, seed: int, epoch: int) -> np.ndarray:
+    """The shuffled example order of an epoch: a function of (seed, epoch) only, so a resumed
+    run finds its place from the epoch and the step within it."""
+    return np.random.default_rng([seed, epoch]).permutation(num_examples)
+
+
+def collate_pairs(examples: Sequence[PreferenceExample]) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+    """Sequences in packing order (c0, r0, c1, r1, ...), margins (B,), labels (B, C)."""
+    sequences = [ids for e in examples for ids in (e.chosen_ids, e.rejected_ids)]
+    margins = torch.tensor([e.margin for e in examples], dtype=torch.float32)
+    labels = torch.tensor([e.labels for e in examples], dtype=torch.long).view(len(examples), -1)
+    return sequences, margins, labels

@@ -1,0 +1,123 @@
+"""Scoring preference pairs with a (packed) value model, training-step metrics and evaluation."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from engine.batching import plan_global
+from engine.packing import last_token, pack_sequences, packed_forward
+from engine.preference_data import PreferenceExample, collate_pairs
+from engine.rm_losses import PairLosses, pair_losses, weighted_total
+
+
+def score_pairs(model, examples: Sequence[PreferenceExample], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rewards at the last token of each chosen and rejected sequence: two (B, C) tensors.
+
+    Chosen and rejected of a pair are adjacent in one packed row and re-paired by position.
+    """
+    sequences, _, _ = collate_pairs(examples)
+    packed = pack_sequences(sequences, pad_token_id)
+    rewards = last_token(packed_forward(model, packed), packed).float()  # (2B, C)
+    rewards = rewards.view(len(examples), 2, -1)  # (B, [chosen, rejected], C)
+    return rewards[:, 0], rewards[:, 1]
+
+
+def dummy_forward_loss(model, pad_token_id: int) -> torch.Tensor:
+    """A zero loss through a one-token forward, for a rank with no pairs in this micro-step:
+    ZeRO-3 gathers parameters in forward/backward, so every rank must run them."""
+    return packed_forward(model, pack_sequences([], pad_token_id)).sum() * 0.0
+
+
+class PairStats:
+    """Sums over pairs (this rank), reduced over ranks on demand: accuracy, margin, loss terms."""
+
+    def __init__(self, components: Sequence[str]):
+        self.components = list(components)
+        C = len(components)
+        # [pairs, correct, margin, total loss, center, reward sum, reward^2 sum] + per component
+        # [labelled, correct, loss, reward sum, reward^2 sum]
+        self.sums = torch.zeros(7 + 5 * C, dtype=torch.float64)
+
+    def add(
+        self, r_chosen: torch.Tensor, r_rejected: torch.Tensor, weights: torch.Tensor, labels: torch.Tensor, losses: PairLosses
+    ) -> None:
+        """Accumulate a micro-batch: rewards (B, C), labels (B, C) in {-1, 0, 1}."""
+        r_c, r_r = r_chosen.detach().double(), r_rejected.detach().double()
+        total_c, total_r = weighted_total(r_c, weights.double()), weighted_total(r_r, weights.double())
+        both = torch.cat([total_c, total_r])
+        self.sums[:7] += torch.stack(
+            [
+                torch.tensor(float(len(total_c)), dtype=torch.float64),
+                (total_c > total_r).double().sum(),
+                (total_c - total_r).sum(),
+                losses.total.detach().double().sum(),
+                losses.center.detach().double().sum(),
+                both.sum(),
+                (both**2).sum(),
+            ]
+        )
+        oriented = (r_c - r_r) * labels.double()  # (B, C) > 0 where the labelled-better response scores higher
+        comp_both = torch.cat([r_c, r_r])  # (2B, C)
+        per_c = torch.stack(
+            [
+                (labels != 0).double().sum(0),
+                (oriented > 0).double().sum(0),
+                losses.component.detach().double().sum(0),
+                comp_both.sum(0),
+                (comp_both**2).sum(0),
+            ],
+            dim=1,
+        )  # (C, 5)
+        self.sums[7:] += per_c.flatten()
+
+    def reduce(self) -> dict[str, float]:
+        sums = self.sums.clone()
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(sums)
+        pairs = max(sums[0].item(), 1.0)
+        mean = sums[5].item() / (2 * pairs)
+        metrics = {
+            "acc": sums[1].item() / pairs,
+            "margin": sums[2].item() / pairs,
+            "loss_total": sums[3].item() / pairs,
+            "center": sums[4].item() / pairs,
+            "reward_mean": mean,
+            "reward_std": max(sums[6].item() / (2 * pairs) - mean**2, 0.0) ** 0.5,
+        }
+        for c, name in enumerate(self.components):
+            labelled, correct, loss, r_sum, r_sq = sums[7 + 5 * c : 12 + 5 * c].tolist()
+            c_mean = r_sum / (2 * pairs)
+            metrics[f"reward_mean_{name}"] = c_mean
+            metrics[f"reward_std_{name}"] = max(r_sq / (2 * pairs) - c_mean**2, 0.0) ** 0.5
+            if labelled:
+                metrics[f"acc_{name}"] = correct / labelled
+                metrics[f"loss_{name}"] = loss / labelled
+        return metrics
+
+
+@torch.no_grad()
+def evaluate_pairs(
+    model,
+    examples: Sequence[PreferenceExample],
+    components: Sequence[str],
+    weights: torch.Tensor,
+    max_tokens: int,
+    pad_token_id: int,
+) -> dict[str, float]:
+    """Accuracy, margin, loss and reward statistics over ``examples``, sharded over all ranks.
+
+    Every rank runs the same number of (possibly dummy) forwards: ZeRO-3 forwards are collectives.
+    """
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    stats = PairStats(components)
+    for micro in plan_global([e.num_tokens for e in examples], max_tokens, world)[rank]:
+        if not micro:
+            dummy_forward_loss(model, pad_token_id)
+            continue
+        batch = [examples[i] for i in micro]
+        r_chosen, r_rejected = score_pairs(model, batch, pad_token_id)
+        _, margins, labels = collate_pairs(batch)
+        stats.add(r_chosen, r_rejected, weights, labels, pair_losses(r_chosen, r_rejected, weights, margins, labels))
+    return stats.reduce()
