@@ -1,0 +1,166 @@
+"""PPO formulas as pure tensor functions: KL estimators, GAE, whitening, policy and value losses.
+
+Shapes: B sequences, T response tokens (right-padded), ``mask`` (B, T) True where the token
+counts. References beside each formula. No DeepSpeed here; whitening takes an optional
+process group only to reduce its sums.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+
+KLEstimator = Literal["k1", "k2", "k3"]
+LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps exp() finite when policies drift apart
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman 2020, "Approximating KL").
+
+    k1 = log r, k2 = (log r)^2 / 2, k3 = (r' - 1) - log r' with r' = pi_ref / pi;
+    log r = log pi - log pi_ref, clamped before exp.
+    """
+    log_ratio = (logprobs - ref_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    if estimator == "k3":
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    mask = mask.to(x.dtype)
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def token_rewards(
+    score: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float
+) -> torch.Tensor:
+    """(B, T) reward per token: -kl_coef * KL at every token, plus the sequence score on the last.
+
+    Ziegler et al. 2019, eq. 2; the score (B,) goes to each sequence's last real token.
+    """
+    rewards = -kl_coef * kl * mask
+    last = mask.long().sum(1) - 1  # (B,)
+    rewards[torch.arange(len(score)), last.clamp(min=0)] += score
+    return rewards
+
+
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016, eq. 16), per token.
+
+    delta_t = r_t + gamma * V_{t+1} - V_t (V after the last real token is 0: the episode ends);
+    A_t = delta_t + gamma * lam * A_{t+1}; returns = A + V. Returns ``(advantages, returns)``,
+    both (B, T) and zero where ``mask`` is False.
+    """
+    mask = mask.to(values.dtype)
+    values = values * mask
+    advantages = torch.zeros_like(values)
+    next_advantage = torch.zeros_like(values[:, 0])
+    next_value = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_advantage = (delta + gamma * lam * next_advantage) * mask[:, t]
+        advantages[:, t] = next_advantage
+        # A padding token passes the bootstrap through unchanged (only trailing padding occurs).
+        next_value = torch.where(mask[:, t].bool(), values[:, t], next_value)
+    return advantages, (advantages + values) * mask
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, group=None, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over every masked token of the whole rollout batch (all ranks).
+
+    ``group``: a torch.distributed group to sum over (None: this process only).
+    """
+    mask_f = mask.to(torch.float64)
+    sums = torch.stack([(x.double() * mask_f).sum(), (x.double() ** 2 * mask_f).sum(), mask_f.sum()])
+    if group is not None:
+        torch.distributed.all_reduce(sums, group=group)
+    mean = sums[0] / sums[2]
+    var = sums[1] / sums[2] - mean**2
+    return ((x - mean.to(x.dtype)) * torch.rsqrt(var.to(x.dtype) + eps)) * mask
+
+
+class PolicyLoss(NamedTuple):
+    loss: torch.Tensor  # (B, T) per-token loss (aggregate with the mask)
+    clipped: torch.Tensor  # (B, T) bool, True where the clip was active
+
+
+def clipped_policy_loss(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float
+) -> PolicyLoss:
+    """PPO clipped surrogate (Schulman et al. 2017, eq. 7), negated to a loss.
+
+    max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high)); asymmetric bounds as in DAPO.
+    """
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    return PolicyLoss(torch.maximum(unclipped, clipped), clipped > unclipped)
+
+
+def dual_clip_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    clip_ratio_c: float,
+) -> PolicyLoss:
+    """Dual-clip PPO (Ye et al. 2020, eq. 5): for A < 0 the loss is also capped at -c * A.
+
+    Stops a very large ratio on a negative-advantage token from dominating the update.
+    """
+    base = clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high)
+    cap = -clip_ratio_c * advantages
+    capped = (advantages < 0) & (base.loss > cap)
+    return PolicyLoss(torch.where(capped, cap, base.loss), base.clipped | capped)
+
+
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float) -> PolicyLoss:
+    """0.5 * max((V - R)^2, (clip(V, V_old +- clip) - R)^2) per token (PPO2 baselines / CleanRL)."""
+    clipped_values = old_values + (values - old_values).clamp(-clip, clip)
+    unclipped, clipped = (values - returns) ** 2, (clipped_values - returns) ** 2
+    return PolicyLoss(0.5 * torch.maximum(unclipped, clipped), clipped > unclipped)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """(..., V) -> (...) entropy of the softmax, in float32."""
+    logits = logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+class FixedKLController:
+    """kl_coef stays constant."""
+
+    def __init__(self, kl_coef: float):
+        self.value = kl_coef
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = state["value"]
+
+
+class AdaptiveKLController(FixedKLController):
+    """Ziegler et al. 2019, eq. 8: beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon)."""
+
+    def __init__(self, kl_coef: float, target: float, horizon: int):
+        super().__init__(kl_coef)
+        self.target, self.horizon = target, horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon

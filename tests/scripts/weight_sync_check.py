@@ -1,0 +1,77 @@
+"""Colocated vLLM + ZeRO-3 actor: greedy outputs agree before training, diverge after an update,
+agree again after the bucketed weight sync.
+
+    deepspeed --num_gpus N tests/scripts/weight_sync_check.py MODEL_DIR
+
+Prints one JSON line per rank (prefixed by nothing else on that line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+from transformers import AutoTokenizer
+
+from engine.config import DS_CONFIGS_DIR
+from engine.deepspeed_glue import initialize_training_engine, load_partitioned, training_ds_config
+from engine.distributed import init_distributed
+from engine.models import load_causal_lm
+from engine.packing import next_token_logprobs, pack_sequences, packed_forward
+from engine.sampler import HFSampler, SamplingSettings, VLLMSampler
+
+GREEDY = SamplingSettings(n=1, temperature=0.0, top_p=1.0, max_new_tokens=12)
+QUESTIONS = ["Tell me about the garden in Alder.", "What do you think of the river in Cobton?", "Hello"]
+
+
+def tokens(samples) -> list[list[int]]:
+    return [s[0].response_ids for s in samples]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("--local_rank", type=int, default=-1)
+    args = parser.parse_args()
+    rank, world = init_distributed(timeout_s=300)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False) for q in QUESTIONS]
+    with open(os.path.join(DS_CONFIGS_DIR, "tiny_cpu_zero3.json")) as f:
+        ds_config = training_ds_config(json.load(f), bf16=False)
+    actor, keep_alive = load_partitioned(lambda: load_causal_lm(args.model), ds_config)
+    engine = initialize_training_engine(actor, ds_config, lr=3e-2, betas=(0.9, 0.95), weight_decay=0.0,
+                                        lr_scheduler="constant_with_warmup", warmup_steps=0, total_steps=10)
+    torch.manual_seed(123)
+    vllm = VLLMSampler(args.model, seed=1000 + rank, dtype="float32", max_model_len=256, kv_cache_bytes=64 << 20,
+                       eos_token_id=tok.eos_token_id)
+    after_vllm = torch.rand(1)  # the trainer's stream, as if vLLM had never started
+    torch.manual_seed(123)
+    rng_preserved = torch.equal(after_vllm, torch.rand(1))
+    hf = HFSampler(engine, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+
+    v0, h0 = tokens(vllm.generate(prompts, GREEDY, 0)), tokens(hf.generate(prompts, GREEDY, 0))
+    target = pack_sequences([prompts[0] + [tok.convert_tokens_to_ids("Calm")] * 8])  # teach the actor something else
+    for _ in range(3):
+        engine.backward(-torch.cat(next_token_logprobs(packed_forward(engine, target), target)).mean())
+        engine.step()
+    v_stale, h1 = tokens(vllm.generate(prompts, GREEDY, 0)), tokens(hf.generate(prompts, GREEDY, 0))
+    start = time.perf_counter()
+    vllm.sync_weights(engine.module)
+    sync_s = time.perf_counter() - start
+    v1 = tokens(vllm.generate(prompts, GREEDY, 0))
+    start = time.perf_counter()
+    vllm.generate(prompts, GREEDY, 0)
+    generate_s = time.perf_counter() - start
+    print(json.dumps({
+        "rank": rank, "world": world, "before_equal": v0 == h0, "actor_changed": h1 != h0,
+        "stale_equal": v_stale == h1, "after_equal": v1 == h1, "rng_preserved": rng_preserved,
+        "sync_s": sync_s, "generate_s": generate_s,
+    }))
+    del keep_alive
+
+
+if __name__ == "__main__":
+    main()
