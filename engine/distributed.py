@@ -40,3 +40,10 @@ def _share_cpu_cores() -> None:
     if "OMP_NUM_THREADS" not in os.environ:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+
+
+def agree_max(value: int) -> int:
+    """The largest ``value`` over all ranks (e.g. the micro-batch count every rank must run)."""
+    t = torch.tensor([value], dtype=torch.long)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return int(t.item())

@@ -29,21 +29,23 @@ def load_causal_lm(
 
 def load_value_model(
     path: str,
-    components: Sequence[str] = ("reward",),
+    components: Sequence[str] | None = None,
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = VARLEN_SDPA,
     trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     """Backbone + per-token ``Linear(hidden, len(components))`` from a causal-LM or value checkpoint.
 
-    From a causal LM the head is freshly initialised; from a saved value model the components
-    must match its ``id2label``.
+    From a causal LM the head is freshly initialised (``components`` default: ``["reward"]``);
+    from a saved value model ``components`` defaults to, and must match, its ``id2label``.
     """
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     if any(a.endswith("ForTokenClassification") for a in config.architectures or []):
         saved = [config.id2label[i] for i in sorted(config.id2label)]
-        if saved != list(components):
+        if components is not None and saved != list(components):
             raise ValueError(f"{path} is a value model with components {saved}, not {list(components)}")
+        components = saved
+    components = list(components or ["reward"])
     config.num_labels = len(components)
     config.id2label = dict(enumerate(components))
     config.label2id = {name: i for i, name in enumerate(components)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -98,3 +99,97 @@ class RewardModelConfig:
     optim: OptimSection = section(OptimSection, "optimizer and learning-rate schedule")
     checkpoint: CheckpointSection = section(CheckpointSection, "resumable checkpoints")
     logging: LoggingSection = section(LoggingSection, "where and how to log")
+
+
+@dataclass
+class RewardModelSection:
+    path: str = required("reward model directory (output of train_rm.py: model/)")
+    normalize: bool = option(True, "standardise the score with the model's reward_stats.json mean/std")
+    clip: float = option(10.0, "clip the (normalised) score to [-clip, clip]")
+    rules: dict[str, float] = option({}, "extra rule-based reward components 'module:function' -> weight")
+    no_eos_penalty: float = option(0.0, "added to the score of responses cut at max_new_tokens (e.g. -1.0)")
+
+
+@dataclass
+class CriticSection:
+    init_from: Literal["reward_model", "actor"] = option("reward_model", "initial weights of the critic's backbone")
+    lr: float = option(5e-6, "critic learning rate (the schedule and betas follow 'optim')")
+    warmup_iterations: int = option(0, "first iterations train the critic only")
+
+
+@dataclass
+class PPODataSection:
+    prompts: str = required("prompts parquet for rollouts (prepare_preferences.py: prompts_train.parquet)")
+    eval_prompts: str = option("", "held-out prompts parquet, scored every eval_every iterations")
+
+
+@dataclass
+class RolloutSection:
+    sampler: Literal["vllm", "hf"] = option("vllm", "colocated vLLM engine, or HF generate on the actor")
+    prompts_per_iteration: int = option(16, "prompts per iteration, over all ranks")
+    samples_per_prompt: int = option(1, "responses sampled per prompt")
+    temperature: float = option(1.0, "sampling temperature")
+    top_p: float = option(1.0, "nucleus sampling threshold")
+    max_new_tokens: int = option(64, "response length limit")
+    vllm_kv_cache_mb: int = option(128, "vLLM KV-cache size per rank")
+    vllm_max_model_len: int = option(1024, "vLLM context length (prompt + response)")
+
+
+@dataclass
+class PPOSection:
+    ppo_epochs: int = option(1, "passes over each rollout batch")
+    mini_batch_size: int = option(16, "samples per optimizer step, over all ranks")
+    max_tokens_per_micro_batch: int = option(2048, "token budget of one packed forward on one rank")
+    clip_ratio: float = option(0.2, "PPO clip range (lower side)")
+    clip_ratio_high: float | None = option(None, "upper clip range if asymmetric (None: clip_ratio)")
+    clip_ratio_c: float | None = option(None, "dual-clip bound for negative advantages, e.g. 3.0 (None: off)")
+    value_clip: float = option(0.2, "value-function clip range around the old values")
+    gamma: float = option(1.0, "discount")
+    lam: float = option(0.95, "GAE lambda")
+    kl_estimator: Literal["k1", "k2", "k3"] = option("k1", "KL estimator (k3 is non-negative)")
+    use_kl_in_reward: bool = option(True, "subtract kl_coef * KL from the per-token reward")
+    kl_coef: float = option(0.05, "KL coefficient (initial value when adaptive)")
+    kl_target: float | None = option(None, "adaptive KL controller target (None: fixed kl_coef)")
+    kl_horizon: int = option(10000, "adaptive KL controller horizon, in samples")
+    kl_loss_coef: float = option(0.0, "weight of a KL loss term in the actor loss (GRPO style)")
+    entropy_coef: float = option(0.0, "entropy bonus in the actor loss")
+    whiten_advantages: bool = option(True, "standardise advantages over the rollout batch (all ranks)")
+
+    def __post_init__(self):
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
+            raise ConfigError(f"'clip_ratio_c' must be > 1 (e.g. 3.0), got {self.clip_ratio_c}")
+
+
+@dataclass
+class PPOTrainSection:
+    iterations: int = option(20, "rollout + update iterations")
+    eval_every: int = option(0, "score held-out prompts every N iterations (0: start and end only)")
+    seed: int = option(0, "seed of prompt order, sampling and initialisation")
+
+
+@dataclass
+class PPOConfig:
+    """Config of train/train_ppo.py."""
+
+    actor: ModelSection = required("policy to train (also the frozen reference)")
+    reward_model: RewardModelSection = required("frozen reward model")
+    data: PPODataSection = required("prompts")
+    deepspeed: dict[str, Any] = required("DeepSpeed config of the trained models (ZeRO-3 for the hybrid engine)")
+    critic: CriticSection = section(CriticSection, "value model")
+    rollout: RolloutSection = section(RolloutSection, "generation")
+    ppo: PPOSection = section(PPOSection, "PPO hyper-parameters")
+    train: PPOTrainSection = section(PPOTrainSection, "schedule")
+    optim: OptimSection = section(OptimSection, "actor optimizer and learning-rate schedule")
+    checkpoint: CheckpointSection = section(CheckpointSection, "resumable checkpoints (every_steps counts iterations)")
+    logging: LoggingSection = section(LoggingSection, "where and how to log")
+
+    def __post_init__(self):
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rollout = self.rollout.prompts_per_iteration * self.rollout.samples_per_prompt
+        if self.rollout.prompts_per_iteration % world:
+            raise ConfigError(f"rollout.prompts_per_iteration ({self.rollout.prompts_per_iteration}) must divide over {world} ranks")
+        if rollout % self.ppo.mini_batch_size or self.ppo.mini_batch_size % world:
+            raise ConfigError(
+                f"ppo.mini_batch_size ({self.ppo.mini_batch_size}) must divide the rollout batch "
+                f"({self.rollout.prompts_per_iteration} x {self.rollout.samples_per_prompt} = {rollout}) and be divisible by {world} ranks"
+            )

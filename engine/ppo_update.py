@@ -1,0 +1,112 @@
+"""One optimizer step of the actor or the critic over a PPO mini-batch (this rank's share).
+
+Losses are token-means over the whole mini-batch across ranks: each micro-batch's summed loss
+is scaled by ``world_size / global_tokens`` (engine/batching.py), so the update does not depend
+on how the mini-batch was cut into micro-batches or spread over ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.batching import token_mean_scale
+from engine.experience import (
+    Experience,
+    packed_micro_batches,
+    pad_right,
+    response_entropy,
+    response_logprobs,
+    response_values,
+)
+from engine.packing import pack_sequences, packed_forward
+from engine.ppo_losses import clipped_policy_loss, clipped_value_loss, dual_clip_policy_loss, kl_penalty
+from engine.reward_model import dummy_forward_loss
+
+
+@dataclass(frozen=True)
+class PolicyLossSettings:
+    clip_low: float
+    clip_high: float
+    clip_ratio_c: float | None  # dual clip when set
+    kl_loss_coef: float
+    kl_estimator: str
+    entropy_coef: float
+
+
+def global_token_count(mask: torch.Tensor) -> int:
+    count = mask.sum().reshape(1).long()
+    torch.distributed.all_reduce(count)
+    return int(count.item())
+
+
+def actor_step(engine, batch: Experience, settings: PolicyLossSettings, max_tokens: int, pad_id: int) -> dict[str, float]:
+    """Clipped (or dual-clip) PPO policy loss [+ KL loss - entropy bonus]; returns summed stats."""
+    world = torch.distributed.get_world_size()
+    scale = token_mean_scale(global_token_count(batch.mask), world)
+    sums = torch.zeros(5, dtype=torch.float64)  # pg_loss, clipped tokens, approx_kl, entropy, tokens
+    for micro in packed_micro_batches([len(s) for s in batch.sequences], max_tokens):
+        if not micro:
+            engine.backward(dummy_forward_loss(engine, pad_id))
+            continue
+        mb = batch.select(micro)
+        packed = pack_sequences(mb.sequences, pad_id)
+        output = packed_forward(engine, packed)
+        T = mb.mask.shape[1]
+        logprobs = pad_right(response_logprobs(output, packed, mb.prompt_lens), T)  # (b, T)
+        entropy = pad_right(response_entropy(output, packed, mb.prompt_lens), T)  # (b, T)
+        if settings.clip_ratio_c is None:
+            pg = clipped_policy_loss(logprobs, mb.old_logprobs, mb.advantages, settings.clip_low, settings.clip_high)
+        else:
+            pg = dual_clip_policy_loss(
+                logprobs, mb.old_logprobs, mb.advantages, settings.clip_low, settings.clip_high, settings.clip_ratio_c
+            )
+        mask = mb.mask.float()
+        per_token = pg.loss - settings.entropy_coef * entropy
+        if settings.kl_loss_coef:
+            per_token = per_token + settings.kl_loss_coef * kl_penalty(logprobs, mb.ref_logprobs, settings.kl_estimator)
+        engine.backward((per_token * mask).sum() * scale)
+        with torch.no_grad():
+            log_ratio = logprobs - mb.old_logprobs
+            sums += torch.stack(
+                [
+                    (pg.loss * mask).sum(),
+                    (pg.clipped.float() * mask).sum(),
+                    (0.5 * log_ratio**2 * mask).sum(),  # approx KL(old || new) (Schulman's k2)
+                    (entropy * mask).sum(),
+                    mask.sum(),
+                ]
+            ).double()
+    engine.step()
+    return _means(sums, ["pg_loss", "clipfrac", "approx_kl", "entropy"])
+
+
+def critic_step(
+    engine, batch: Experience, value_weights: torch.Tensor, value_clip: float, max_tokens: int, pad_id: int
+) -> dict[str, float]:
+    """Clipped value loss around the rollout's values; returns summed stats."""
+    world = torch.distributed.get_world_size()
+    scale = token_mean_scale(global_token_count(batch.mask), world)
+    sums = torch.zeros(4, dtype=torch.float64)  # vf_loss, clipped tokens, value, tokens
+    for micro in packed_micro_batches([len(s) for s in batch.sequences], max_tokens):
+        if not micro:
+            engine.backward(dummy_forward_loss(engine, pad_id))
+            continue
+        mb = batch.select(micro)
+        packed = pack_sequences(mb.sequences, pad_id)
+        values = pad_right(response_values(packed_forward(engine, packed), packed, mb.prompt_lens, value_weights), mb.mask.shape[1])
+        vf = clipped_value_loss(values, mb.old_values, mb.returns, value_clip)
+        mask = mb.mask.float()
+        engine.backward((vf.loss * mask).sum() * scale)
+        with torch.no_grad():
+            sums += torch.stack([(vf.loss * mask).sum(), (vf.clipped.float() * mask).sum(), (values * mask).sum(), mask.sum()]).double()
+    engine.step()
+    return _means(sums, ["vf_loss", "vf_clipfrac", "value_mean"])
+
+
+def _means(sums: torch.Tensor, names: list[str]) -> dict[str, float]:
+    """Token-means over all ranks: the last entry of ``sums`` is the token count."""
+    torch.distributed.all_reduce(sums)
+    tokens = max(sums[-1].item(), 1.0)
+    return {name: sums[i].item() / tokens for i, name in enumerate(names)}

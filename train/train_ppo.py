@@ -1,0 +1,261 @@
+"""PPO on one hybrid ZeRO-3 engine with a colocated vLLM sampler.
+
+    deepspeed --num_gpus N train/train_ppo.py --config ds_configs/demo_ppo.json [--resume] [--section.key value ...]
+
+Recipe: config -> process group -> four models as DeepSpeed engines in one group (actor and
+critic trained, reference and reward model frozen) -> sampler (vLLM, built after the engines)
+-> loop: generate -> make experience (log-probs, values, scores, KL, GAE) -> PPO epochs over
+mini-batches -> sync the actor into vLLM -> log / evaluate / checkpoint -> HF export.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import sys
+import time
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from engine.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from engine.config import ConfigError, config_to_dict, load_config
+from engine.deepspeed_glue import initialize_training_engine, load_partitioned, save_hf_model, training_ds_config
+from engine.distributed import init_distributed
+from engine.experience import Experience, map_packed, pad_right, response_logprobs, response_values
+from engine.models import load_causal_lm, load_value_model
+from engine.ppo_losses import AdaptiveKLController, FixedKLController, gae, kl_penalty, masked_mean, token_rewards, whiten
+from engine.ppo_rewards import RewardScorer
+from engine.ppo_update import PolicyLossSettings, actor_step, critic_step
+from engine.preference_data import epoch_order
+from engine.run_config import PPOConfig
+from engine.run_logger import RunLogger
+from engine.sampler import HFSampler, SamplingSettings, VLLMSampler
+
+import deepspeed  # noqa: E402  (after engine.*: engine.packing registers the sdpa_varlen attention)
+
+
+def parse_args() -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="run config JSON")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    return parser.parse_known_args()
+
+
+def load_prompts(path: str) -> list[list[dict[str, str]]]:
+    table = pq.read_table(path)
+    if "prompt" not in table.column_names:
+        raise ValueError(f"{path}: no 'prompt' column; use prepare_preferences.py's prompts_*.parquet")
+    return table.column("prompt").to_pylist()
+
+
+def frozen_engine(model, ds_config):
+    """A ZeRO inference engine: partitioned weights, no optimizer, no gradients."""
+    model.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+    engine.eval()
+    return engine
+
+
+def make_experience(samples, prompt_msgs, actor, critic, ref, scorer, value_weights, tokenizer, cfg: PPOConfig, kl_coef: float):
+    """Score and evaluate one rank's samples; advantages are whitened over all ranks."""
+    budget, pad = cfg.ppo.max_tokens_per_micro_batch, tokenizer.pad_token_id
+    sequences = [s.prompt_ids + s.response_ids for s in samples]
+    prompt_lens = [len(s.prompt_ids) for s in samples]
+    T = max(len(s.response_ids) for s in samples)
+    mask = pad_right([torch.ones(len(s.response_ids), dtype=torch.bool) for s in samples], T)
+    with torch.no_grad():
+        logprobs_of = lambda model: pad_right(
+            map_packed(model, sequences, budget, pad, lambda out, packed: response_logprobs(out, packed, prompt_lens)), T
+        )
+        old_logprobs, ref_logprobs = logprobs_of(actor), logprobs_of(ref)
+        values = pad_right(map_packed(critic, sequences, budget, pad, lambda o, p: response_values(o, p, prompt_lens, value_weights)), T)
+        texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+        scores, parts = scorer.score(prompt_msgs, texts, [s.finished for s in samples])
+        kl = kl_penalty(old_logprobs, ref_logprobs, cfg.ppo.kl_estimator) * mask
+        rewards = token_rewards(scores, kl, mask, kl_coef if cfg.ppo.use_kl_in_reward else 0.0)
+        advantages, returns = gae(rewards, values, mask, cfg.ppo.gamma, cfg.ppo.lam)
+        if cfg.ppo.whiten_advantages:
+            advantages = whiten(advantages, mask, group=torch.distributed.group.WORLD)
+    sampler_logprobs = pad_right([torch.tensor(s.logprobs) for s in samples], T)
+    exp = Experience(sequences, prompt_lens, mask, old_logprobs, ref_logprobs, values, advantages, returns, scores, kl)
+    stats = {
+        "score": scores.mean().item(),
+        "kl": (kl.sum(1)).mean().item(),  # per sequence
+        "response_length": mask.sum(1).float().mean().item(),
+        "finished": sum(s.finished for s in samples) / len(samples),
+        "sampler_logprob_gap": masked_mean((sampler_logprobs - old_logprobs).abs(), mask).item(),
+        **{k: v.mean().item() for k, v in parts.items()},
+    }
+    return exp, stats
+
+
+def mean_over_ranks(stats: dict[str, float]) -> dict[str, float]:
+    keys = sorted(stats)
+    t = torch.tensor([stats[k] for k in keys], dtype=torch.float64)
+    torch.distributed.all_reduce(t)
+    return {k: v / torch.distributed.get_world_size() for k, v in zip(keys, t.tolist())}
+
+
+def evaluate(sampler, scorer, prompts, tokenizer, cfg: PPOConfig) -> dict[str, float]:
+    """Greedy responses to this rank's share of the held-out prompts, scored by the RM."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    mine = prompts[rank::world]
+    greedy = SamplingSettings(n=1, temperature=0.0, top_p=1.0, max_new_tokens=cfg.rollout.max_new_tokens)
+    samples = [s[0] for s in sampler.generate([_ids(tokenizer, p) for p in mine], greedy, request_seed=0)]
+    texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+    scores, _ = scorer.score(mine, texts, [s.finished for s in samples])
+    return mean_over_ranks({"reward": scores.mean().item(), "response_length": float(np.mean([len(s.response_ids) for s in samples]))})
+
+
+def _ids(tokenizer, messages) -> list[int]:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+
+
+def main() -> int:
+    args, overrides = parse_args()
+    try:
+        cfg = load_config(PPOConfig, args.config, overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    rank, world = init_distributed()
+    random.seed(cfg.train.seed), np.random.seed(cfg.train.seed), torch.manual_seed(cfg.train.seed)
+    out = cfg.logging.output_dir
+    ds_config = training_ds_config(cfg.deepspeed, cfg.actor.bf16)
+    dtype = torch.bfloat16 if cfg.actor.bf16 else torch.float32
+    tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path, trust_remote_code=cfg.actor.trust_remote_code)
+    rm_tokenizer = AutoTokenizer.from_pretrained(cfg.reward_model.path)
+    prompts = load_prompts(cfg.data.prompts)
+    eval_prompts = load_prompts(cfg.data.eval_prompts) if cfg.data.eval_prompts else []
+
+    # --- the hybrid engine: four models, one process group -------------------------------
+    model_kw = dict(dtype=dtype, attn_implementation=cfg.actor.attn_implementation, trust_remote_code=cfg.actor.trust_remote_code)
+    actor, keep_alive = load_partitioned(lambda: load_causal_lm(cfg.actor.path, **model_kw), ds_config)
+    ref, _ = load_partitioned(lambda: load_causal_lm(cfg.actor.path, **model_kw), ds_config)
+    reward_model, _ = load_partitioned(lambda: load_value_model(cfg.reward_model.path, **model_kw), ds_config)
+    if cfg.critic.init_from == "reward_model":
+        critic, _ = load_partitioned(lambda: load_value_model(cfg.reward_model.path, **model_kw), ds_config)
+    else:
+        critic, _ = load_partitioned(lambda: load_value_model(cfg.actor.path, ["value"], **model_kw), ds_config)
+    if cfg.actor.gradient_checkpointing:
+        for m in (actor, critic):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    iterations = cfg.train.iterations
+    steps_per_iteration = cfg.ppo.ppo_epochs * cfg.rollout.prompts_per_iteration * cfg.rollout.samples_per_prompt // cfg.ppo.mini_batch_size
+    optim = dict(betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay, lr_scheduler=cfg.optim.lr_scheduler,
+                 warmup_steps=int(cfg.optim.warmup_ratio * iterations * steps_per_iteration), total_steps=iterations * steps_per_iteration)
+    actor_engine = initialize_training_engine(actor, ds_config, lr=cfg.optim.lr, **optim)
+    critic_engine = initialize_training_engine(critic, ds_config, lr=cfg.critic.lr, **optim)
+    ref_engine, rm_engine = frozen_engine(ref, ds_config), frozen_engine(reward_model, ds_config)
+    scorer = RewardScorer(rm_engine, rm_tokenizer, cfg.reward_model.path, cfg.reward_model.normalize, cfg.reward_model.clip,
+                          cfg.reward_model.rules, cfg.reward_model.no_eos_penalty, cfg.ppo.max_tokens_per_micro_batch)
+    if cfg.rollout.sampler == "vllm":  # after the engines: vLLM's external_launcher reuses their group
+        sampler = VLLMSampler(cfg.actor.path, seed=cfg.train.seed * 1000 + rank, dtype="bfloat16" if cfg.actor.bf16 else "float32",
+                              max_model_len=cfg.rollout.vllm_max_model_len, kv_cache_bytes=cfg.rollout.vllm_kv_cache_mb << 20,
+                              eos_token_id=tokenizer.eos_token_id)
+    else:
+        sampler = HFSampler(actor_engine, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    value_weights = scorer.weights if cfg.critic.init_from == "reward_model" else torch.ones(1)
+    kl_ctl = (AdaptiveKLController(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon)
+              if cfg.ppo.kl_target is not None else FixedKLController(cfg.ppo.kl_coef))
+
+    # --- resume --------------------------------------------------------------------------
+    engines = {"actor": actor_engine, "critic": critic_engine}
+    ckpt_root = os.path.join(out, "checkpoints")
+    iteration = 0
+    resume_from = latest_checkpoint(ckpt_root) if args.resume else None
+    if resume_from:
+        state = load_checkpoint(resume_from, engines)
+        iteration = state["iteration"]
+        kl_ctl.load_state_dict(state["kl_controller"])
+        sampler.load_state_dict(state["sampler"])
+        sampler.sync_weights(actor_engine.module)
+    logger = RunLogger(out, config_to_dict(cfg), enabled=rank == 0, use_tensorboard=cfg.logging.tensorboard,
+                       use_wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project, resume_step=iteration)
+    if rank == 0:
+        print(f"train_ppo: {len(prompts)} prompts, {iterations} iterations, {world} rank(s), sampler {cfg.rollout.sampler}"
+              + (f", resumed at iteration {iteration} from {resume_from}" if resume_from else ""))
+    if eval_prompts and iteration == 0:
+        logger.log(0, {f"eval/{k}": v for k, v in evaluate(sampler, scorer, eval_prompts, tokenizer, cfg).items()})
+
+    settings = PolicyLossSettings(
+        clip_low=cfg.ppo.clip_ratio, clip_high=cfg.ppo.clip_ratio_high or cfg.ppo.clip_ratio, clip_ratio_c=cfg.ppo.clip_ratio_c,
+        kl_loss_coef=cfg.ppo.kl_loss_coef, kl_estimator=cfg.ppo.kl_estimator, entropy_coef=cfg.ppo.entropy_coef,
+    )
+    per_rank = cfg.rollout.prompts_per_iteration // world
+    per_epoch = len(prompts) // cfg.rollout.prompts_per_iteration
+    if per_epoch < 1:
+        raise ValueError(f"{cfg.data.prompts}: {len(prompts)} prompts, fewer than prompts_per_iteration={cfg.rollout.prompts_per_iteration}")
+    sampling = SamplingSettings(cfg.rollout.samples_per_prompt, cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens)
+    bar = tqdm(total=iterations, initial=iteration, disable=rank != 0 or not cfg.logging.progress_bar, desc="ppo")
+    while iteration < iterations:
+        t0 = time.perf_counter()
+        # Data position is a function of the iteration: epoch, then the slice of its prompt order.
+        epoch, in_epoch = divmod(iteration, per_epoch)
+        order = epoch_order(len(prompts), cfg.train.seed, epoch)
+        start = in_epoch * cfg.rollout.prompts_per_iteration + rank * per_rank
+        batch_msgs = [prompts[i] for i in order[start : start + per_rank]]
+        samples_nested = sampler.generate([_ids(tokenizer, m) for m in batch_msgs], sampling, request_seed=iteration * world + rank)
+        samples = [s for group in samples_nested for s in group]
+        sample_msgs = [m for m, group in zip(batch_msgs, samples_nested) for _ in group]
+        t1 = time.perf_counter()
+        exp, rollout_stats = make_experience(
+            samples, sample_msgs, actor_engine, critic_engine, ref_engine, scorer, value_weights, tokenizer, cfg, kl_ctl.value
+        )
+        t2 = time.perf_counter()
+        actor_engine.train(), critic_engine.train()
+        local_mb = cfg.ppo.mini_batch_size // world
+        perm_gen = torch.Generator().manual_seed(cfg.train.seed * 100_003 + iteration)
+        train_stats: dict[str, list[float]] = {}
+        for _ in range(cfg.ppo.ppo_epochs):
+            perm = torch.randperm(len(samples), generator=perm_gen).tolist()
+            for k in range(0, len(samples), local_mb):
+                mb = exp.select(perm[k : k + local_mb])
+                stats = critic_step(critic_engine, mb, value_weights, cfg.ppo.value_clip, cfg.ppo.max_tokens_per_micro_batch, tokenizer.pad_token_id)
+                if iteration >= cfg.critic.warmup_iterations:
+                    stats |= actor_step(actor_engine, mb, settings, cfg.ppo.max_tokens_per_micro_batch, tokenizer.pad_token_id)
+                for key, value in stats.items():
+                    train_stats.setdefault(key, []).append(value)
+        t3 = time.perf_counter()
+        if iteration >= cfg.critic.warmup_iterations:
+            sampler.sync_weights(actor_engine.module)
+        t4 = time.perf_counter()
+        rollout_stats = mean_over_ranks(rollout_stats)
+        kl_ctl.update(rollout_stats["kl"], n_steps=cfg.rollout.prompts_per_iteration * cfg.rollout.samples_per_prompt)
+        iteration += 1
+        generated = torch.tensor([float(exp.mask.sum())])
+        torch.distributed.all_reduce(generated)
+        metrics = {f"ppo/{k}": v for k, v in rollout_stats.items()}
+        metrics |= {f"ppo/{k}": float(np.mean(v)) for k, v in train_stats.items()}
+        metrics |= {
+            "ppo/kl_coef": kl_ctl.value, "ppo/actor_lr": actor_engine.get_lr()[0],
+            "timing/generate_s": t1 - t0, "timing/make_experience_s": t2 - t1, "timing/train_s": t3 - t2,
+            "timing/sync_s": t4 - t3, "timing/iteration_s": t4 - t0, "timing/generated_tokens_per_s": generated.item() / (t1 - t0),
+        }
+        if eval_prompts and ((cfg.train.eval_every and iteration % cfg.train.eval_every == 0) or iteration == iterations):
+            metrics |= {f"eval/{k}": v for k, v in evaluate(sampler, scorer, eval_prompts, tokenizer, cfg).items()}
+        logger.log(iteration, metrics)
+        bar.update(1)
+        bar.set_postfix(score=f"{metrics['ppo/score']:.3f}", kl=f"{metrics['ppo/kl']:.4f}", it_s=f"{t4 - t0:.2f}")
+        if cfg.checkpoint.every_steps and iteration % cfg.checkpoint.every_steps == 0 and iteration < iterations:
+            save_checkpoint(ckpt_root, iteration, engines,
+                            {"iteration": iteration, "kl_controller": kl_ctl.state_dict(), "sampler": sampler.state_dict()},
+                            cfg.checkpoint.keep_last)
+    bar.close()
+    save_hf_model(actor_engine, tokenizer, os.path.join(out, "actor"))
+    logger.close()
+    if rank == 0:
+        print(f"ppo done: {iterations} iterations; actor saved to {out}/actor")
+    del keep_alive
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
