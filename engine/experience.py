@@ -13,7 +13,7 @@ import torch
 
 from engine.batching import plan_micro_batches
 from engine.distributed import agree_max
-from engine.packing import next_token_logprobs, pack_sequences, packed_forward, unpack
+from engine.packing import PackedBatch, next_token_logprobs, pack_sequences, packed_forward, unpack
 from engine.ppo_losses import entropy_from_logits
 
 
@@ -25,15 +25,16 @@ def packed_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[i
 
 def map_packed(
     model, sequences: Sequence[list[int]], max_tokens: int, pad_token_id: int,
-    extract: Callable[[torch.Tensor, "PackedBatch"], list[torch.Tensor]],  # noqa: F821
+    extract: Callable[[torch.Tensor, PackedBatch, list[int]], list[torch.Tensor]],
 ) -> list[torch.Tensor]:
-    """Run ``model`` over ``sequences`` in packed micro-batches; ``extract(output, packed)`` gives
-    one tensor per sequence of the micro-batch. Results come back in input order."""
+    """Run ``model`` over ``sequences`` in packed micro-batches; ``extract(output, packed, indices)``
+    gives one tensor per sequence of the micro-batch (``indices`` into ``sequences``). Results
+    come back in input order."""
     results: list[torch.Tensor | None] = [None] * len(sequences)
     for micro in packed_micro_batches([len(s) for s in sequences], max_tokens):
         packed = pack_sequences([sequences[i] for i in micro], pad_token_id)
         output = packed_forward(model, packed)
-        for i, value in zip(micro, extract(output, packed)):
+        for i, value in zip(micro, extract(output, packed, micro)):
             results[i] = value
     return results  # type: ignore[return-value]
 

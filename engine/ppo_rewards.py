@@ -62,7 +62,7 @@ class RewardScorer:
         _, full = tokenize_pairs(self.tokenizer, prompts, responses)
         per_seq = map_packed(
             self.model, full, self.max_tokens, self.tokenizer.pad_token_id,
-            lambda out, packed: list(last_token(out, packed).float()),
+            lambda out, packed, _: list(last_token(out, packed).float()),
         )
         components = torch.stack(per_seq)  # (B, C)
         total = ((components * self.weights).sum(-1) - self.mean) / self.std

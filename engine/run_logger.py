@@ -22,7 +22,7 @@ class RunLogger:
         use_tensorboard: bool,
         use_wandb: bool,
         wandb_project: str,
-        resume_step: int = 0,
+        resume_step: int | None = None,
     ):
         self.enabled = enabled
         self.tb = self.wandb_run = None
@@ -30,11 +30,14 @@ class RunLogger:
             return
         os.makedirs(output_dir, exist_ok=True)
         self.path = os.path.join(output_dir, "metrics.jsonl")
-        _truncate_after(self.path, resume_step)  # a resumed run rewrites what came after its checkpoint
+        if resume_step is None:  # a fresh run starts a fresh file
+            open(self.path, "w").close()
+        else:  # a resumed run rewrites what came after its checkpoint
+            _truncate_after(self.path, resume_step)
         if use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+            self.tb = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=None if resume_step is None else resume_step + 1)
         if use_wandb:
             import wandb
 

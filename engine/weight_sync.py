@@ -9,6 +9,7 @@ then logs "Failed to load weights" for the layers not in the bucket (noise).
 
 from __future__ import annotations
 
+import logging
 from typing import Iterator
 
 import deepspeed
@@ -37,7 +38,13 @@ def weight_buckets(module: torch.nn.Module) -> Iterator[list[tuple[str, torch.nn
 
 def push_weights_to_vllm(module: torch.nn.Module, llm) -> None:
     """All ranks call it (the gathers are collectives); each rank updates its own vLLM."""
-    for bucket in weight_buckets(module):
-        with deepspeed.zero.GatheredParameters([p for _, p in bucket], modifier_rank=None):
-            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [(name, p.data) for name, p in bucket]})
-    llm.reset_prefix_cache()  # cached prefixes hold keys/values of the old weights
+    vllm_logger = logging.getLogger("vllm")
+    level = vllm_logger.level
+    vllm_logger.setLevel(logging.ERROR)  # a partial reload warns about every layer not in the bucket
+    try:
+        for bucket in weight_buckets(module):
+            with deepspeed.zero.GatheredParameters([p for _, p in bucket], modifier_rank=None):
+                llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [(name, p.data) for name, p in bucket]})
+        llm.reset_prefix_cache()  # cached prefixes hold keys/values of the old weights
+    finally:
+        vllm_logger.setLevel(level)

@@ -41,3 +41,24 @@ def hh_path() -> Path:
         pytest.skip(f"real HH-RLHF data not found at {HH_PATH} (it lives in ../shared/data/hh-rlhf/)")
     return HH_PATH
 
+
+
+@pytest.fixture(scope="session")
+def rm_data(tmp_path_factory, tiny_model_dir) -> Path:
+    """Synthetic pairs (2,000) prepared with the tiny tokenizer: train/validation/prompts parquet."""
+    from data_prep import prepare_preferences, synthetic_task
+
+    root = tmp_path_factory.mktemp("rm_data")
+    synthetic_task.main(["--out", str(root / "pairs.jsonl"), "--num-pairs", "2000", "--seed", "1"])
+    assert prepare_preferences.main(["--input", str(root / "pairs.jsonl"), "--tokenizer", str(tiny_model_dir), "--out", str(root)]) == 0
+    return root
+
+
+@pytest.fixture(scope="session")
+def rm_run(tmp_path_factory, tiny_model_dir, rm_data):
+    """A reward model trained by train_rm.py (1 rank, ZeRO-3): (root with rm.json and run/, result)."""
+    from helpers import launch, write_rm_config
+
+    root = tmp_path_factory.mktemp("rm_one_rank")
+    result = launch("train_rm.py", write_rm_config(root / "rm.json", tiny_model_dir, rm_data, root / "run"))
+    return root, result

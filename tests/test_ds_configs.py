@@ -12,7 +12,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "scripts" / "ds_config_steps.py"
-CONFIGS = sorted(p.name for p in (REPO / "ds_configs").glob("*.json"))
+# DeepSpeed configs (the folder also holds the demo run configs, which point at one of these).
+CONFIGS = sorted(p.name for p in (REPO / "ds_configs").glob("*.json") if "zero_optimization" in json.loads(p.read_text()))
 
 
 def run_steps(cmd: list[str]) -> dict:
@@ -53,3 +54,12 @@ def test_two_ranks_under_the_deepspeed_launcher(one_rank, tiny_model_dir):
     # Same weights and rank 0's batch -> same first loss; then the averaged gradient differs.
     assert result["losses"][0] == pytest.approx(single[0], abs=1e-6)
     assert result["losses"][1] != pytest.approx(single[1], abs=1e-6)
+
+
+@pytest.mark.parametrize("name, schema", [("demo_rm.json", "RewardModelConfig"), ("demo_ppo.json", "PPOConfig")])
+def test_demo_run_configs_load(name, schema):
+    from engine import run_config
+    from engine.config import load_config
+
+    cfg = load_config(getattr(run_config, schema), str(REPO / "ds_configs" / name))
+    assert cfg.deepspeed["zero_optimization"]["stage"] == 3

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -13,59 +12,24 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from data_prep import prepare_preferences, synthetic_task
 from engine.models import load_value_model
 from engine.preference_data import load_preferences
 from engine.reward_model import PairStats, score_pairs
 from engine.rm_losses import pair_losses
 from engine.run_logger import read_metrics
+from helpers import REPO, RM_COMPONENTS, RM_STEPS, launch, metric_series, write_rm_config
 
-REPO = Path(__file__).resolve().parent.parent
-LAUNCHER = str(Path(sys.executable).parent / "deepspeed")
-COMPONENTS = {"helpful": 0.5, "harmless": 0.5}
-STEPS, EVERY = 60, 20  # two epochs of 1,900 pairs; a checkpoint every 20 steps
-
-
-@pytest.fixture(scope="module")
-def rm_data(tmp_path_factory, tiny_model_dir) -> Path:
-    root = tmp_path_factory.mktemp("rm_data")
-    synthetic_task.main(["--out", str(root / "pairs.jsonl"), "--num-pairs", "2000", "--seed", "1"])
-    assert prepare_preferences.main(["--input", str(root / "pairs.jsonl"), "--tokenizer", str(tiny_model_dir), "--out", str(root)]) == 0
-    return root
-
-
-def write_config(path: Path, tiny_model_dir: Path, rm_data: Path, output_dir: Path, **train) -> Path:
-    config = {
-        "model": {"path": str(tiny_model_dir)},
-        "data": {"train": str(rm_data / "train.parquet"), "validation": str(rm_data / "validation.parquet")},
-        "deepspeed": "tiny_cpu_zero3.json",
-        "rm": {"components": COMPONENTS},
-        "train": {"pairs_per_step": 32, "max_tokens_per_micro_batch": 1024, "max_steps": STEPS, **train},
-        "optim": {"lr": 1e-3, "warmup_ratio": 0.1},
-        "checkpoint": {"every_steps": EVERY, "keep_last": 5},
-        "logging": {"output_dir": str(output_dir), "progress_bar": False},
-    }
-    path.write_text(json.dumps(config))
-    return path
-
-
-def launch(config: Path, *extra: str, ranks: int = 1) -> subprocess.CompletedProcess:
-    cmd = [LAUNCHER, "--num_gpus", str(ranks), str(REPO / "train" / "train_rm.py"), "--config", str(config), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1" if ranks > 1 else "2"}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return result
+COMPONENTS = RM_COMPONENTS
+STEPS = RM_STEPS
 
 
 def losses(output_dir: Path) -> dict[int, float]:
-    return {m["step"]: m["rm/loss"] for m in read_metrics(str(output_dir / "metrics.jsonl")) if "rm/loss" in m}
+    return metric_series(output_dir, "rm/loss")
 
 
 @pytest.fixture(scope="module")
-def one_rank(tmp_path_factory, tiny_model_dir, rm_data):
-    root = tmp_path_factory.mktemp("rm_one_rank")
-    result = launch(write_config(root / "rm.json", tiny_model_dir, rm_data, root / "run"))
-    return root, result
+def one_rank(rm_run):
+    return rm_run
 
 
 def test_reaches_high_validation_accuracy(one_rank):
@@ -114,7 +78,7 @@ def test_resume_continues_with_identical_losses(one_rank, tmp_path):
     config = json.loads((root / "rm.json").read_text())
     config["logging"]["output_dir"] = str(run)
     (tmp_path / "rm.json").write_text(json.dumps(config))
-    result = launch(tmp_path / "rm.json", "--resume")
+    result = launch("train_rm.py", tmp_path / "rm.json", "--resume")
     assert "resumed at step 20" in result.stdout
     straight, resumed = losses(root / "run"), losses(run)
     assert sorted(resumed) == list(range(1, STEPS + 1))
@@ -126,8 +90,8 @@ def test_resume_continues_with_identical_losses(one_rank, tmp_path):
 
 def test_two_ranks_zero3_follow_the_one_rank_curve(one_rank, tiny_model_dir, rm_data, tmp_path):
     root, _ = one_rank
-    config = write_config(tmp_path / "rm.json", tiny_model_dir, rm_data, tmp_path / "run")
-    launch(config, "--checkpoint.every_steps", "0", ranks=2)
+    config = write_rm_config(tmp_path / "rm.json", tiny_model_dir, rm_data, tmp_path / "run")
+    launch("train_rm.py", config, "--checkpoint.every_steps", "0", ranks=2)
     one, two = losses(root / "run"), losses(tmp_path / "run")
     assert sorted(two) == sorted(one)
     for step in one:
@@ -143,13 +107,13 @@ def test_two_ranks_zero3_follow_the_one_rank_curve(one_rank, tiny_model_dir, rm_
     ],
 )
 def test_other_zero_stages_offload_bf16_and_checkpointing_train(tiny_model_dir, rm_data, tmp_path, ds_config, extra):
-    config = write_config(tmp_path / "rm.json", tiny_model_dir, rm_data, tmp_path / "run", max_steps=3)
-    launch(config, "--deepspeed", ds_config, "--checkpoint.every_steps", "0", "--logging.wandb", "false", *extra)
+    config = write_rm_config(tmp_path / "rm.json", tiny_model_dir, rm_data, tmp_path / "run", max_steps=3)
+    launch("train_rm.py", config, "--deepspeed", ds_config, "--checkpoint.every_steps", "0", "--logging.wandb", "false", *extra)
     assert len(losses(tmp_path / "run")) == 3 and (tmp_path / "run" / "model" / "model.safetensors").exists()
 
 
 def test_bad_config_is_refused_before_training(tiny_model_dir, rm_data, tmp_path):
-    config = write_config(tmp_path / "rm.json", tiny_model_dir, rm_data, tmp_path / "run")
+    config = write_rm_config(tmp_path / "rm.json", tiny_model_dir, rm_data, tmp_path / "run")
     result = subprocess.run(
         [sys.executable, str(REPO / "train" / "train_rm.py"), "--config", str(config), "--train.pairs_per_stp", "8"],
         capture_output=True, text=True, timeout=120, cwd=REPO,

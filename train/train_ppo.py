@@ -72,10 +72,10 @@ def make_experience(samples, prompt_msgs, actor, critic, ref, scorer, value_weig
     mask = pad_right([torch.ones(len(s.response_ids), dtype=torch.bool) for s in samples], T)
     with torch.no_grad():
         logprobs_of = lambda model: pad_right(
-            map_packed(model, sequences, budget, pad, lambda out, packed: response_logprobs(out, packed, prompt_lens)), T
+            map_packed(model, sequences, budget, pad, lambda o, p, idx: response_logprobs(o, p, [prompt_lens[i] for i in idx])), T
         )
         old_logprobs, ref_logprobs = logprobs_of(actor), logprobs_of(ref)
-        values = pad_right(map_packed(critic, sequences, budget, pad, lambda o, p: response_values(o, p, prompt_lens, value_weights)), T)
+        values = pad_right(map_packed(critic, sequences, budget, pad, lambda o, p, idx: response_values(o, p, [prompt_lens[i] for i in idx], value_weights)), T)
         texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
         scores, parts = scorer.score(prompt_msgs, texts, [s.finished for s in samples])
         kl = kl_penalty(old_logprobs, ref_logprobs, cfg.ppo.kl_estimator) * mask
@@ -104,14 +104,18 @@ def mean_over_ranks(stats: dict[str, float]) -> dict[str, float]:
 
 
 def evaluate(sampler, scorer, prompts, tokenizer, cfg: PPOConfig) -> dict[str, float]:
-    """Greedy responses to this rank's share of the held-out prompts, scored by the RM."""
+    """Held-out prompts (this rank's share): RM score of one sampled (fixed seed) and the greedy response."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     mine = prompts[rank::world]
-    greedy = SamplingSettings(n=1, temperature=0.0, top_p=1.0, max_new_tokens=cfg.rollout.max_new_tokens)
-    samples = [s[0] for s in sampler.generate([_ids(tokenizer, p) for p in mine], greedy, request_seed=0)]
-    texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
-    scores, _ = scorer.score(mine, texts, [s.finished for s in samples])
-    return mean_over_ranks({"reward": scores.mean().item(), "response_length": float(np.mean([len(s.response_ids) for s in samples]))})
+    ids = [_ids(tokenizer, p) for p in mine]
+    results = {}
+    for name, temperature in (("reward", cfg.rollout.temperature), ("reward_greedy", 0.0)):
+        settings = SamplingSettings(1, temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens)
+        samples = [s[0] for s in sampler.generate(ids, settings, request_seed=10**6 + rank)]
+        texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+        results[name] = scorer.score(mine, texts, [s.finished for s in samples])[0].mean().item()
+        results[f"{name}_length"] = float(np.mean([len(s.response_ids) for s in samples]))
+    return mean_over_ranks(results)
 
 
 def _ids(tokenizer, messages) -> list[int]:
@@ -169,21 +173,22 @@ def main() -> int:
     # --- resume --------------------------------------------------------------------------
     engines = {"actor": actor_engine, "critic": critic_engine}
     ckpt_root = os.path.join(out, "checkpoints")
-    iteration = 0
+    iteration, resume_step = 0, None
     resume_from = latest_checkpoint(ckpt_root) if args.resume else None
     if resume_from:
         state = load_checkpoint(resume_from, engines)
-        iteration = state["iteration"]
+        iteration = resume_step = state["iteration"]
         kl_ctl.load_state_dict(state["kl_controller"])
         sampler.load_state_dict(state["sampler"])
         sampler.sync_weights(actor_engine.module)
     logger = RunLogger(out, config_to_dict(cfg), enabled=rank == 0, use_tensorboard=cfg.logging.tensorboard,
-                       use_wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project, resume_step=iteration)
+                       use_wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project, resume_step=resume_step)
     if rank == 0:
         print(f"train_ppo: {len(prompts)} prompts, {iterations} iterations, {world} rank(s), sampler {cfg.rollout.sampler}"
               + (f", resumed at iteration {iteration} from {resume_from}" if resume_from else ""))
-    if eval_prompts and iteration == 0:
-        logger.log(0, {f"eval/{k}": v for k, v in evaluate(sampler, scorer, eval_prompts, tokenizer, cfg).items()})
+    first_eval = evaluate(sampler, scorer, eval_prompts, tokenizer, cfg) if eval_prompts and iteration == 0 else None
+    if first_eval:
+        logger.log(0, {f"eval/{k}": v for k, v in first_eval.items()})
 
     settings = PolicyLossSettings(
         clip_low=cfg.ppo.clip_ratio, clip_high=cfg.ppo.clip_ratio_high or cfg.ppo.clip_ratio, clip_ratio_c=cfg.ppo.clip_ratio_c,
@@ -252,7 +257,10 @@ def main() -> int:
     save_hf_model(actor_engine, tokenizer, os.path.join(out, "actor"))
     logger.close()
     if rank == 0:
-        print(f"ppo done: {iterations} iterations; actor saved to {out}/actor")
+        summary = f"ppo done: {iterations} iterations, last KL {metrics['ppo/kl']:.4f} (per sequence)" if iterations else "ppo done"
+        if first_eval and "eval/reward" in metrics:
+            summary += f"; held-out reward {first_eval['reward']:.3f} -> {metrics['eval/reward']:.3f}"
+        print(f"{summary}; actor saved to {out}/actor")
     del keep_alive
     return 0
 

