@@ -108,6 +108,10 @@ def test_two_ranks_hf_sampler_and_dual_clip(tiny_model_dir, rm_run, rm_data, tmp
     assert (tmp_path / "run" / "checkpoints" / "step00000001" / "trainer_state_rank1.pt").exists()
     hf = write_ppo_config(tmp_path / "hf.json", tiny_model_dir, rm_root / "run" / "model", rm_data, tmp_path / "hf",
                           train__iterations=2, train__eval_every=0, checkpoint__every_steps=0, rollout__sampler="hf")
-    launch("train_ppo.py", hf, ranks=2)
+    # KL as a loss instead of in the reward, an entropy bonus, one critic-only warm-up iteration.
+    launch("train_ppo.py", hf, "--ppo.use_kl_in_reward", "false", "--ppo.kl_loss_coef", "0.1", "--ppo.entropy_coef", "0.01",
+           "--critic.warmup_iterations", "1", ranks=2)
     gap = metric_series(tmp_path / "hf", "ppo/sampler_logprob_gap")
     assert max(gap.values()) < 1e-4
+    assert list(metric_series(tmp_path / "hf", "ppo/pg_loss")) == [2]  # the actor trains after the warm-up only
+    assert sorted(metric_series(tmp_path / "hf", "ppo/vf_loss")) == [1, 2]
