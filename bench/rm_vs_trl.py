@@ -27,14 +27,14 @@ HH = REPO.parent / "shared" / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
 TRL_VERSION = "1.16.0"
 
 
-def ensure_peer_venv(path: Path) -> Path:
+def ensure_peer_venv(path: Path, trl_version: str = TRL_VERSION) -> Path:
     """A venv that sees this project's packages (a .pth file) plus TRL, installed once."""
     python = path / "bin" / "python"
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
         site = next((path / "lib").glob("python3*/site-packages"))
         (site / "project_venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", f"trl=={TRL_VERSION}"], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", f"trl=={trl_version}"], check=True)
     return python
 
 

@@ -1,0 +1,77 @@
+"""TRL 1.12's PPOTrainer (trl.experimental.ppo; removed in 1.13) on the demo models; run in the
+peer venv by bench/ppo_vs_trl.py. Prints one JSON line with the seconds of each iteration."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import pyarrow.parquet as pq
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+from trl.experimental.ppo import PPOConfig, PPOTrainer
+
+
+class IterationClock(TrainerCallback):
+    def __init__(self):
+        self.stamps = [time.perf_counter()]
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.stamps.append(time.perf_counter())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--actor", required=True)
+    parser.add_argument("--reward", required=True)
+    parser.add_argument("--prompts", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--prompts-per-iteration", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(args.actor)
+    prompts = pq.read_table(args.prompts).column("prompt").to_pylist()[: args.iterations * args.prompts_per_iteration]
+    dataset = Dataset.from_dict(
+        {"input_ids": [tok.apply_chat_template(p, add_generation_prompt=True, return_dict=False) for p in prompts]}
+    )
+    policy, ref = (AutoModelForCausalLM.from_pretrained(args.actor) for _ in range(2))
+    # Single-output heads on the reward model's backbone (the head shapes differ, the cost does not).
+    reward, value = (
+        AutoModelForSequenceClassification.from_pretrained(args.reward, num_labels=1, ignore_mismatched_sizes=True) for _ in range(2)
+    )
+    for m in (reward, value):
+        m.config.pad_token_id = tok.pad_token_id
+    config = PPOConfig(
+        output_dir=args.out,
+        per_device_train_batch_size=args.prompts_per_iteration,
+        gradient_accumulation_steps=1,
+        num_mini_batches=1,
+        num_ppo_epochs=1,
+        total_episodes=args.iterations * args.prompts_per_iteration,
+        local_rollout_forward_batch_size=args.prompts_per_iteration,
+        response_length=args.new_tokens,
+        stop_token="eos",
+        temperature=1.0,
+        learning_rate=5e-4,
+        kl_coef=0.02,
+        num_sample_generations=0,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        seed=0,
+    )
+    clock = IterationClock()
+    trainer = PPOTrainer(args=config, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
+                         train_dataset=dataset, value_model=value, callbacks=[clock])
+    clock.stamps = [time.perf_counter()]
+    trainer.train()
+    seconds = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
+    print(json.dumps({"iteration_seconds": seconds}))
+
+
+if __name__ == "__main__":
+    main()

