@@ -55,28 +55,31 @@ def main() -> int:
             "--data.prompts", str(data / "prompts_train.parquet"), "--data.eval_prompts", "",
             "--rollout.samples_per_prompt", "1", "--rollout.max_new_tokens", "64", "--ppo.mini_batch_size", "16",
             "--rollout.vllm_max_model_len", "512", "--train.iterations", str(args.iterations), "--train.eval_every", "0",
-            "--checkpoint.every_steps", "0", "--logging.output_dir", str(work / "ppo"), "--logging.wandb", "false",
+            "--checkpoint.every_steps", "0", "--logging.wandb", "false",
             "--logging.tensorboard", "false", "--logging.progress_bar", "false",
         ]
-        run([launcher, "--num_gpus", "1", "train/train_ppo.py", "--config", "ds_configs/demo_ppo.json", *ppo_overrides])
-        ours = [json.loads(line) for line in (work / "ppo" / "metrics.jsonl").read_text().splitlines()][1:]
+        ours = {}
+        for label, ds_config in (("ZeRO-3", "tiny_cpu_zero3.json"), ("ZeRO-2", "tiny_cpu_zero2.json")):
+            out = work / f"ppo-{label}"
+            run([launcher, "--num_gpus", "1", "train/train_ppo.py", "--config", "ds_configs/demo_ppo.json", *ppo_overrides,
+                 "--deepspeed", ds_config, "--logging.output_dir", str(out)])
+            ours[label] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
         trl_out = run([str(peer_python), "bench/peers/trl_ppo.py", "--actor", str(model), "--reward", str(work / "rm" / "model"),
                        "--prompts", str(data / "prompts_train.parquet"), "--out", str(work / "trl"),
                        "--iterations", str(args.iterations)], WANDB_MODE="disabled")
         trl_seconds = json.loads([line for line in trl_out.splitlines() if line.startswith("{")][-1])["iteration_seconds"][1:]
 
-    mean = lambda key: statistics.mean(r[key] for r in ours)
-    ours_s, trl_s = mean("timing/iteration_s"), statistics.mean(trl_seconds)
-    tokens = 16 * mean("ppo/response_length")
+    trl_s = statistics.mean(trl_seconds)
     print(f"PPO, tiny Llama h128 L4 (4k BPE) on HH harmless prompts; 16 prompts x 64 new tokens per iteration, "
           f"mean of iterations 2-{args.iterations}")
-    print(f"{'trainer':<34}{'s/iteration':>12}{'gen tok/s':>11}")
-    print(f"{'TRL ' + TRL_PPO_VERSION + ' PPOTrainer':<34}{trl_s:>12.3f}{16 * 64 / trl_s:>11.0f}  (upper bound: 64 tokens/response)")
-    print(f"{'train_ppo.py (ZeRO-3 + vLLM-cpu)':<34}{ours_s:>12.3f}{tokens / ours_s:>11.0f}")
-    phases = ["generate", "make_experience", "train", "sync"]
-    print("ours by phase: " + ", ".join(f"{p} {mean(f'timing/{p}_s'):.3f} s" for p in phases)
-          + f"; weight sync {mean('timing/sync_s') / ours_s:.1%} of an iteration")
-    print(f"speed-up: {trl_s / ours_s:.2f}x TRL s/iteration")
+    print(f"{'trainer':<36}{'s/iteration':>12}{'gen tok/s':>11}{'vs TRL':>8}   phases (generate / experience / train / sync)")
+    print(f"{'TRL ' + TRL_PPO_VERSION + ' PPOTrainer':<36}{trl_s:>12.3f}{16 * 64 / trl_s:>11.0f}{1:>7.2f}x   (tok/s: upper bound, 64/response)")
+    for label, rows in ours.items():
+        mean = lambda key: statistics.mean(r[key] for r in rows)
+        seconds = mean("timing/iteration_s")
+        phases = " / ".join(f"{mean(f'timing/{p}_s'):.3f}" for p in ("generate", "make_experience", "train", "sync"))
+        print(f"{'train_ppo.py (' + label + ' + vLLM-cpu)':<36}{seconds:>12.3f}{16 * mean('ppo/response_length') / seconds:>11.0f}"
+              f"{trl_s / seconds:>7.2f}x   {phases} s; sync {mean('timing/sync_s') / seconds:.1%}")
     return 0
 
 

@@ -33,6 +33,15 @@ def training_ds_config(ds_config: dict[str, Any], bf16: bool) -> dict[str, Any]:
     return cfg
 
 
+def inference_ds_config(ds_config: dict[str, Any]) -> dict[str, Any]:
+    """Config of a frozen model (reference, reward model): ZeRO-3 partitions its weights like the
+    trained models'; under ZeRO-1/2 (which need an optimizer) it is replicated (stage 0)."""
+    cfg = copy.deepcopy(ds_config)
+    if zero_stage(cfg) < 3:
+        cfg["zero_optimization"] = {"stage": 0}
+    return cfg
+
+
 def zero_stage(ds_config: dict[str, Any]) -> int:
     return int(ds_config.get("zero_optimization", {}).get("stage", 0))
 

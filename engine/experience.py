@@ -13,7 +13,7 @@ import torch
 
 from engine.batching import plan_micro_batches
 from engine.distributed import agree_max
-from engine.packing import PackedBatch, next_token_logprobs, pack_sequences, packed_forward, unpack
+from engine.packing import PackedBatch, pack_sequences, packed_forward, unpack
 from engine.ppo_losses import entropy_from_logits
 
 
@@ -23,30 +23,45 @@ def packed_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[i
     return plan_micro_batches(lengths, max_tokens, num_micro_batches=count)
 
 
-def map_packed(
-    model, sequences: Sequence[list[int]], max_tokens: int, pad_token_id: int,
-    extract: Callable[[torch.Tensor, PackedBatch, list[int]], list[torch.Tensor]],
+def map_micro_batches(
+    sequences: Sequence[list[int]],
+    max_tokens: int,
+    pad_token_id: int,
+    fn: Callable[[PackedBatch, list[int]], list[torch.Tensor]],
 ) -> list[torch.Tensor]:
-    """Run ``model`` over ``sequences`` in packed micro-batches; ``extract(output, packed, indices)``
-    gives one tensor per sequence of the micro-batch (``indices`` into ``sequences``). Results
-    come back in input order."""
+    """Apply ``fn(packed, indices)`` (a forward returning one tensor per packed sequence) over
+    ``sequences`` in packed micro-batches; dummy micro-batches run a one-token forward through
+    ``fn`` too. Results come back in input order."""
     results: list[torch.Tensor | None] = [None] * len(sequences)
     for micro in packed_micro_batches([len(s) for s in sequences], max_tokens):
         packed = pack_sequences([sequences[i] for i in micro], pad_token_id)
-        output = packed_forward(model, packed)
-        for i, value in zip(micro, extract(output, packed, micro)):
+        for i, value in zip(micro, fn(packed, micro)):
             results[i] = value
     return results  # type: ignore[return-value]
 
 
-def response_logprobs(output: torch.Tensor, packed, prompt_lens: Sequence[int]) -> list[torch.Tensor]:
-    """Log-prob of each response token: positions P-1 .. P+R-2 of the next-token log-probs."""
-    return [lp[p - 1 :] for lp, p in zip(next_token_logprobs(output, packed), prompt_lens)]
+def response_positions(packed: PackedBatch, prompt_lens: Sequence[int]) -> torch.Tensor:
+    """(K,) row positions whose next-token prediction is a response token: P-1 .. L-2 per sequence."""
+    if not packed.seq_lens:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.cat([torch.arange(s + p - 1, s + n - 1) for s, n, p in zip(packed.starts, packed.seq_lens, prompt_lens)])
 
 
-def response_entropy(output: torch.Tensor, packed, prompt_lens: Sequence[int]) -> list[torch.Tensor]:
-    """Policy entropy at the positions that produced each response token."""
-    return [entropy_from_logits(o[p - 1 : -1]) for o, p in zip(unpack(output, packed), prompt_lens)]
+def response_logprobs(
+    model, packed: PackedBatch, prompt_lens: Sequence[int], with_entropy: bool = False
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Log-prob (and policy entropy) of each response token: one (R_i,) tensor per sequence.
+
+    The LM head runs on the response-predicting positions only; log p = logit[target] -
+    logsumexp(logits), in float32.
+    """
+    positions = response_positions(packed, prompt_lens)
+    logits = packed_forward(model, packed, logits_positions=positions)[0].float()  # (K, V)
+    targets = packed.input_ids[0, positions + 1]  # (K,)
+    logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    lengths = [n - p for n, p in zip(packed.seq_lens, prompt_lens)]
+    entropy = list(entropy_from_logits(logits).split(lengths)) if with_entropy else None
+    return list(logprobs.split(lengths)), entropy
 
 
 def response_values(output: torch.Tensor, packed, prompt_lens: Sequence[int], weights: torch.Tensor) -> list[torch.Tensor]:

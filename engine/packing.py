@@ -122,15 +122,19 @@ def block_causal_mask(packed: PackedBatch, dtype: torch.dtype) -> torch.Tensor:
     return mask[None, None]  # (1, 1, T, T)
 
 
-def packed_forward(model: torch.nn.Module, packed: PackedBatch) -> torch.Tensor:
+def packed_forward(model: torch.nn.Module, packed: PackedBatch, logits_positions: torch.Tensor | None = None) -> torch.Tensor:
     """Run ``model`` on a packed row; returns its ``logits`` (1, T, ...) for every token.
 
     Works for causal LMs (logits over the vocabulary) and token-classification value models
-    (one score per component), bare or wrapped in a DeepSpeed engine.
+    (one score per component), bare or wrapped in a DeepSpeed engine. ``logits_positions``
+    (causal LMs): compute the LM head only at these row positions, (1, K, V) -- the vocabulary
+    projection of prompt tokens is wasted work when only response log-probs are needed.
     """
     hf_model = getattr(model, "module", model)  # a DeepSpeedEngine's .config is DeepSpeed's, not the model's
     attn = hf_model.config._attn_implementation
     kwargs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "use_cache": False}
+    if logits_positions is not None:
+        kwargs["logits_to_keep"] = logits_positions
     if attn == VARLEN_SDPA:
         kwargs["cu_seq_lens_q"] = kwargs["cu_seq_lens_k"] = packed.cu_seq_lens
     elif attn not in POSITION_ID_PACKING:

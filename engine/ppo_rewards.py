@@ -11,8 +11,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine.chat import tokenize_pairs
-from engine.experience import map_packed
-from engine.packing import last_token
+from engine.experience import map_micro_batches
+from engine.packing import last_token, packed_forward
 
 Rule = Callable[[list[dict[str, str]], str], float]
 
@@ -60,9 +60,9 @@ class RewardScorer:
         # The RM reads conversations rendered exactly as in its training (the response as a
         # closed assistant turn), whatever tokens the policy produced around it.
         _, full = tokenize_pairs(self.tokenizer, prompts, responses)
-        per_seq = map_packed(
-            self.model, full, self.max_tokens, self.tokenizer.pad_token_id,
-            lambda out, packed, _: list(last_token(out, packed).float()),
+        per_seq = map_micro_batches(
+            full, self.max_tokens, self.tokenizer.pad_token_id,
+            lambda packed, _: list(last_token(packed_forward(self.model, packed), packed).float()),
         )
         components = torch.stack(per_seq)  # (B, C)
         total = ((components * self.weights).sum(-1) - self.mean) / self.std

@@ -12,14 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.batching import token_mean_scale
-from engine.experience import (
-    Experience,
-    packed_micro_batches,
-    pad_right,
-    response_entropy,
-    response_logprobs,
-    response_values,
-)
+from engine.experience import Experience, packed_micro_batches, pad_right, response_logprobs, response_values
 from engine.packing import pack_sequences, packed_forward
 from engine.ppo_losses import clipped_policy_loss, clipped_value_loss, dual_clip_policy_loss, kl_penalty
 from engine.reward_model import dummy_forward_loss
@@ -52,10 +45,9 @@ def actor_step(engine, batch: Experience, settings: PolicyLossSettings, max_toke
             continue
         mb = batch.select(micro)
         packed = pack_sequences(mb.sequences, pad_id)
-        output = packed_forward(engine, packed)
         T = mb.mask.shape[1]
-        logprobs = pad_right(response_logprobs(output, packed, mb.prompt_lens), T)  # (b, T)
-        entropy = pad_right(response_entropy(output, packed, mb.prompt_lens), T)  # (b, T)
+        logprobs, entropy = response_logprobs(engine, packed, mb.prompt_lens, with_entropy=True)
+        logprobs, entropy = pad_right(logprobs, T), pad_right(entropy, T)  # (b, T) each
         if settings.clip_ratio_c is None:
             pg = clipped_policy_loss(logprobs, mb.old_logprobs, mb.advantages, settings.clip_low, settings.clip_high)
         else:

@@ -20,7 +20,7 @@ def shouting_rule(prompt: list[dict[str, str]], response: str) -> float:
 
 @pytest.fixture(scope="module")
 def process_group(tmp_path_factory):
-    # map_packed agrees micro-batch counts over ranks: a one-process gloo group is enough here.
+    # map_micro_batches agrees micro-batch counts over ranks: a one-process gloo group is enough here.
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg') / 'store'}", rank=0, world_size=1)
     yield

@@ -115,3 +115,12 @@ def test_two_ranks_hf_sampler_and_dual_clip(tiny_model_dir, rm_run, rm_data, tmp
     assert max(gap.values()) < 1e-4
     assert list(metric_series(tmp_path / "hf", "ppo/pg_loss")) == [2]  # the actor trains after the warm-up only
     assert sorted(metric_series(tmp_path / "hf", "ppo/vf_loss")) == [1, 2]
+
+
+def test_zero2_with_replicated_frozen_models(tiny_model_dir, rm_run, rm_data, tmp_path):
+    rm_root, _ = rm_run
+    config = write_ppo_config(tmp_path / "ppo.json", tiny_model_dir, rm_root / "run" / "model", rm_data, tmp_path / "run",
+                              train__iterations=2, train__eval_every=0, checkpoint__every_steps=0)
+    launch("train_ppo.py", config, "--deepspeed", "tiny_cpu_zero2.json")
+    gap = metric_series(tmp_path / "run", "ppo/sampler_logprob_gap")
+    assert len(gap) == 2 and max(gap.values()) < 1e-4

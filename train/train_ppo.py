@@ -25,9 +25,16 @@ from transformers import AutoTokenizer
 
 from engine.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from engine.config import ConfigError, config_to_dict, load_config
-from engine.deepspeed_glue import initialize_training_engine, load_partitioned, save_hf_model, training_ds_config
+from engine.deepspeed_glue import (
+    inference_ds_config,
+    initialize_training_engine,
+    load_partitioned,
+    save_hf_model,
+    training_ds_config,
+)
 from engine.distributed import init_distributed
-from engine.experience import Experience, map_packed, pad_right, response_logprobs, response_values
+from engine.experience import Experience, map_micro_batches, pad_right, response_logprobs, response_values
+from engine.packing import packed_forward
 from engine.models import load_causal_lm, load_value_model
 from engine.ppo_losses import AdaptiveKLController, FixedKLController, gae, kl_penalty, masked_mean, token_rewards, whiten
 from engine.ppo_rewards import RewardScorer
@@ -71,11 +78,14 @@ def make_experience(samples, prompt_msgs, actor, critic, ref, scorer, value_weig
     T = max(len(s.response_ids) for s in samples)
     mask = pad_right([torch.ones(len(s.response_ids), dtype=torch.bool) for s in samples], T)
     with torch.no_grad():
+        lens = lambda idx: [prompt_lens[i] for i in idx]
         logprobs_of = lambda model: pad_right(
-            map_packed(model, sequences, budget, pad, lambda o, p, idx: response_logprobs(o, p, [prompt_lens[i] for i in idx])), T
+            map_micro_batches(sequences, budget, pad, lambda p, idx: response_logprobs(model, p, lens(idx))[0]), T
         )
         old_logprobs, ref_logprobs = logprobs_of(actor), logprobs_of(ref)
-        values = pad_right(map_packed(critic, sequences, budget, pad, lambda o, p, idx: response_values(o, p, [prompt_lens[i] for i in idx], value_weights)), T)
+        values = pad_right(map_micro_batches(
+            sequences, budget, pad, lambda p, idx: response_values(packed_forward(critic, p), p, lens(idx), value_weights)
+        ), T)
         texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
         scores, parts = scorer.score(prompt_msgs, texts, [s.finished for s in samples])
         kl = kl_penalty(old_logprobs, ref_logprobs, cfg.ppo.kl_estimator) * mask
@@ -157,7 +167,8 @@ def main() -> int:
                  warmup_steps=int(cfg.optim.warmup_ratio * iterations * steps_per_iteration), total_steps=iterations * steps_per_iteration)
     actor_engine = initialize_training_engine(actor, ds_config, lr=cfg.optim.lr, **optim)
     critic_engine = initialize_training_engine(critic, ds_config, lr=cfg.critic.lr, **optim)
-    ref_engine, rm_engine = frozen_engine(ref, ds_config), frozen_engine(reward_model, ds_config)
+    frozen_config = inference_ds_config(ds_config)
+    ref_engine, rm_engine = frozen_engine(ref, frozen_config), frozen_engine(reward_model, frozen_config)
     scorer = RewardScorer(rm_engine, rm_tokenizer, cfg.reward_model.path, cfg.reward_model.normalize, cfg.reward_model.clip,
                           cfg.reward_model.rules, cfg.reward_model.no_eos_penalty, cfg.ppo.max_tokens_per_micro_batch)
     if cfg.rollout.sampler == "vllm":  # after the engines: vLLM's external_launcher reuses their group
@@ -179,7 +190,6 @@ def main() -> int:
         state = load_checkpoint(resume_from, engines)
         iteration = resume_step = state["iteration"]
         kl_ctl.load_state_dict(state["kl_controller"])
-        sampler.load_state_dict(state["sampler"])
         sampler.sync_weights(actor_engine.module)
     logger = RunLogger(out, config_to_dict(cfg), enabled=rank == 0, use_tensorboard=cfg.logging.tensorboard,
                        use_wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project, resume_step=resume_step)
@@ -251,7 +261,7 @@ def main() -> int:
         bar.set_postfix(score=f"{metrics['ppo/score']:.3f}", kl=f"{metrics['ppo/kl']:.4f}", it_s=f"{t4 - t0:.2f}")
         if cfg.checkpoint.every_steps and iteration % cfg.checkpoint.every_steps == 0 and iteration < iterations:
             save_checkpoint(ckpt_root, iteration, engines,
-                            {"iteration": iteration, "kl_controller": kl_ctl.state_dict(), "sampler": sampler.state_dict()},
+                            {"iteration": iteration, "kl_controller": kl_ctl.state_dict()},
                             cfg.checkpoint.keep_last)
     bar.close()
     save_hf_model(actor_engine, tokenizer, os.path.join(out, "actor"))
