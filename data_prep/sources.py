@@ -18,7 +18,6 @@ from typing import Any, Iterator
 
 import pyarrow.parquet as pq
 
-
 FILE_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
 
 

@@ -8,12 +8,13 @@ on how the mini-batch was cut into micro-batches or spread over ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
 from engine.batching import token_mean_scale
 from engine.experience import Experience, packed_micro_batches, pad_right, response_logprobs, response_values
-from engine.packing import pack_sequences, packed_forward
+from engine.packing import PackedBatch, pack_sequences, packed_forward
 from engine.ppo_losses import clipped_policy_loss, clipped_value_loss, dual_clip_policy_loss, kl_penalty
 from engine.reward_model import dummy_forward_loss
 
@@ -28,6 +29,17 @@ class PolicyLossSettings:
     entropy_coef: float
 
 
+def _micro_batches(engine, batch: Experience, max_tokens: int, pad_id: int) -> Iterator[tuple[Experience, PackedBatch]]:
+    """This rank's packed micro-batches; a dummy one (no samples left here) runs its zero-loss
+    forward/backward inside, so every rank makes the same number of ZeRO collectives."""
+    for micro in packed_micro_batches([len(s) for s in batch.sequences], max_tokens):
+        if not micro:
+            engine.backward(dummy_forward_loss(engine, pad_id))
+            continue
+        mb = batch.select(micro)
+        yield mb, pack_sequences(mb.sequences, pad_id)
+
+
 def global_token_count(mask: torch.Tensor) -> int:
     count = mask.sum().reshape(1).long()
     torch.distributed.all_reduce(count)
@@ -39,12 +51,7 @@ def actor_step(engine, batch: Experience, settings: PolicyLossSettings, max_toke
     world = torch.distributed.get_world_size()
     scale = token_mean_scale(global_token_count(batch.mask), world)
     sums = torch.zeros(5, dtype=torch.float64)  # pg_loss, clipped tokens, approx_kl, entropy, tokens
-    for micro in packed_micro_batches([len(s) for s in batch.sequences], max_tokens):
-        if not micro:
-            engine.backward(dummy_forward_loss(engine, pad_id))
-            continue
-        mb = batch.select(micro)
-        packed = pack_sequences(mb.sequences, pad_id)
+    for mb, packed in _micro_batches(engine, batch, max_tokens, pad_id):
         T = mb.mask.shape[1]
         logprobs, entropy = response_logprobs(engine, packed, mb.prompt_lens, with_entropy=True)
         logprobs, entropy = pad_right(logprobs, T), pad_right(entropy, T)  # (b, T) each
@@ -81,12 +88,7 @@ def critic_step(
     world = torch.distributed.get_world_size()
     scale = token_mean_scale(global_token_count(batch.mask), world)
     sums = torch.zeros(4, dtype=torch.float64)  # vf_loss, clipped tokens, value, tokens
-    for micro in packed_micro_batches([len(s) for s in batch.sequences], max_tokens):
-        if not micro:
-            engine.backward(dummy_forward_loss(engine, pad_id))
-            continue
-        mb = batch.select(micro)
-        packed = pack_sequences(mb.sequences, pad_id)
+    for mb, packed in _micro_batches(engine, batch, max_tokens, pad_id):
         values = pad_right(response_values(packed_forward(engine, packed), packed, mb.prompt_lens, value_weights), mb.mask.shape[1])
         vf = clipped_value_loss(values, mb.old_values, mb.returns, value_clip)
         mask = mb.mask.float()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,13 +17,26 @@ RM_COMPONENTS = {"helpful": 0.5, "harmless": 0.5}
 RM_STEPS, RM_EVERY = 60, 20  # two epochs of 1,900 pairs; a checkpoint every 20 steps
 
 
-def launch(script: str, config: Path, *extra: str, ranks: int = 1) -> subprocess.CompletedProcess:
-    """``deepspeed --num_gpus ranks train/<script> --config config extra...``; fails the test on error."""
-    cmd = [LAUNCHER, "--num_gpus", str(ranks), str(REPO / "train" / script), "--config", str(config), *extra]
+def launcher_cmd(ranks: int) -> list[str]:
+    """The deepspeed launcher on a free rendezvous port (its default 29500 collides with any
+    other launch running on the machine at the same time)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [LAUNCHER, "--num_gpus", str(ranks), "--master_port", str(port)]
+
+
+def run_launched(cmd: list[str], ranks: int) -> subprocess.CompletedProcess:
+    """Run a launcher command (OMP threads shared between ranks); fails the test on error."""
     env = {**os.environ, "OMP_NUM_THREADS": "1" if ranks > 1 else "2"}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result
+
+
+def launch(script: str, config: Path, *extra: str, ranks: int = 1) -> subprocess.CompletedProcess:
+    """``deepspeed --num_gpus ranks train/<script> --config config extra...``."""
+    return run_launched([*launcher_cmd(ranks), str(REPO / "train" / script), "--config", str(config), *extra], ranks)
 
 
 def write_rm_config(path: Path, tiny_model_dir: Path, rm_data: Path, output_dir: Path, **train) -> Path:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import launcher_cmd
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "scripts" / "ds_config_steps.py"
@@ -47,8 +48,7 @@ def test_fp32_zero2_and_zero3_agree(one_rank):
 
 
 def test_two_ranks_under_the_deepspeed_launcher(one_rank, tiny_model_dir):
-    launcher = str(Path(sys.executable).parent / "deepspeed")
-    result = run_steps([launcher, "--num_gpus", "2", str(SCRIPT), str(tiny_model_dir), "tiny_cpu_zero3.json"])
+    result = run_steps([*launcher_cmd(2), str(SCRIPT), str(tiny_model_dir), "tiny_cpu_zero3.json"])
     assert result["world"] == 2
     single = one_rank["tiny_cpu_zero3.json"]["losses"]
     # Same weights and rank 0's batch -> same first loss; then the averaged gradient differs.

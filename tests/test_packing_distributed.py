@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import launcher_cmd, run_launched
 
 from engine.models import load_causal_lm
 
@@ -19,10 +17,8 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def two_rank_run(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("packed_zero3")
-    launcher = str(Path(sys.executable).parent / "deepspeed")
-    cmd = [launcher, "--num_gpus", "2", str(REPO / "tests" / "scripts" / "packed_zero3_step.py"), str(tiny_model_dir), str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    cmd = [*launcher_cmd(2), str(REPO / "tests" / "scripts" / "packed_zero3_step.py"), str(tiny_model_dir), str(out)]
+    result = run_launched(cmd, ranks=2)
     (line,) = [l for l in result.stdout.splitlines() if l.startswith("{")]
     return json.loads(line), out
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import launch, metric_series
 from transformers import AutoModelForCausalLM
 
 from engine.run_logger import read_metrics
-from helpers import launch, metric_series
 
 ITERATIONS, EVERY = 30, 10
 # Every per-iteration value that must repeat exactly after a resume (timings excluded).

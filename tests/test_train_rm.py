@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import REPO, RM_COMPONENTS, RM_STEPS, launch, metric_series, write_rm_config
 from transformers import AutoTokenizer
 
 from engine.models import load_value_model
@@ -17,7 +18,6 @@ from engine.preference_data import load_preferences
 from engine.reward_model import PairStats, score_pairs
 from engine.rm_losses import pair_losses
 from engine.run_logger import read_metrics
-from helpers import REPO, RM_COMPONENTS, RM_STEPS, launch, metric_series, write_rm_config
 
 COMPONENTS = RM_COMPONENTS
 STEPS = RM_STEPS

@@ -3,23 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import launcher_cmd, run_launched
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_vllm_greedy_follows_the_actor_after_each_sync(tiny_model_dir, ranks):
-    launcher = str(Path(sys.executable).parent / "deepspeed")
-    cmd = [launcher, "--num_gpus", str(ranks), str(REPO / "tests" / "scripts" / "weight_sync_check.py"), str(tiny_model_dir)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1" if ranks > 1 else "2"}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    cmd = [*launcher_cmd(ranks), str(REPO / "tests" / "scripts" / "weight_sync_check.py"), str(tiny_model_dir)]
+    result = run_launched(cmd, ranks)
     reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"rank"')]
     assert sorted(r["rank"] for r in reports) == list(range(ranks))
     for r in reports:

@@ -10,13 +10,11 @@ mini-batches -> sync the actor into vLLM -> log / evaluate / checkpoint -> HF ex
 
 from __future__ import annotations
 
-import argparse
-import math
 import os
-import random
 import sys
 import time
 
+import deepspeed
 import numpy as np
 import pyarrow.parquet as pq
 import torch
@@ -24,7 +22,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from engine.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from engine.config import ConfigError, config_to_dict, load_config
+from engine.config import config_to_dict
 from engine.deepspeed_glue import (
     inference_ds_config,
     initialize_training_engine,
@@ -32,27 +30,17 @@ from engine.deepspeed_glue import (
     save_hf_model,
     training_ds_config,
 )
-from engine.distributed import init_distributed
 from engine.experience import Experience, map_micro_batches, pad_right, response_logprobs, response_values
-from engine.packing import packed_forward
 from engine.models import load_causal_lm, load_value_model
+from engine.packing import packed_forward
 from engine.ppo_losses import AdaptiveKLController, FixedKLController, gae, kl_penalty, masked_mean, token_rewards, whiten
 from engine.ppo_rewards import RewardScorer
 from engine.ppo_update import PolicyLossSettings, actor_step, critic_step
 from engine.preference_data import epoch_order
 from engine.run_config import PPOConfig
 from engine.run_logger import RunLogger
+from engine.run_setup import start_run
 from engine.sampler import HFSampler, SamplingSettings, VLLMSampler
-
-import deepspeed  # noqa: E402  (after engine.*: engine.packing registers the sdpa_varlen attention)
-
-
-def parse_args() -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", required=True, help="run config JSON")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
-    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
-    return parser.parse_known_args()
 
 
 def load_prompts(path: str) -> list[list[dict[str, str]]]:
@@ -133,14 +121,7 @@ def _ids(tokenizer, messages) -> list[int]:
 
 
 def main() -> int:
-    args, overrides = parse_args()
-    try:
-        cfg = load_config(PPOConfig, args.config, overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    rank, world = init_distributed()
-    random.seed(cfg.train.seed), np.random.seed(cfg.train.seed), torch.manual_seed(cfg.train.seed)
+    cfg, resume, rank, world = start_run(PPOConfig, __doc__.split("\n")[0])
     out = cfg.logging.output_dir
     ds_config = training_ds_config(cfg.deepspeed, cfg.actor.bf16)
     dtype = torch.bfloat16 if cfg.actor.bf16 else torch.float32
@@ -185,7 +166,7 @@ def main() -> int:
     engines = {"actor": actor_engine, "critic": critic_engine}
     ckpt_root = os.path.join(out, "checkpoints")
     iteration, resume_step = 0, None
-    resume_from = latest_checkpoint(ckpt_root) if args.resume else None
+    resume_from = latest_checkpoint(ckpt_root) if resume else None
     if resume_from:
         state = load_checkpoint(resume_from, engines)
         iteration = resume_step = state["iteration"]

@@ -9,37 +9,26 @@ periodic evaluation and checkpoints) -> final evaluation -> HF model with reward
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
-import random
 import sys
 import time
 
-import numpy as np
 import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from engine.batching import plan_global, token_mean_scale
 from engine.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from engine.config import ConfigError, config_to_dict, load_config
+from engine.config import config_to_dict
 from engine.deepspeed_glue import initialize_training_engine, load_partitioned, save_hf_model, training_ds_config
-from engine.distributed import init_distributed
 from engine.models import load_value_model
 from engine.preference_data import PreferenceExample, collate_pairs, epoch_order, load_preferences
 from engine.reward_model import PairStats, dummy_forward_loss, evaluate_pairs, score_pairs
 from engine.rm_losses import pair_losses
 from engine.run_config import RewardModelConfig
 from engine.run_logger import RunLogger
-
-
-def parse_args() -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", required=True, help="run config JSON")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
-    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
-    return parser.parse_known_args()
+from engine.run_setup import start_run
 
 
 def train_step(engine, examples: list[PreferenceExample], cfg: RewardModelConfig, weights: torch.Tensor, pad_id: int) -> dict[str, float]:
@@ -77,14 +66,7 @@ def train_step(engine, examples: list[PreferenceExample], cfg: RewardModelConfig
 
 
 def main() -> int:
-    args, overrides = parse_args()
-    try:
-        cfg = load_config(RewardModelConfig, args.config, overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    rank, world = init_distributed()
-    random.seed(cfg.train.seed), np.random.seed(cfg.train.seed), torch.manual_seed(cfg.train.seed)
+    cfg, resume, rank, world = start_run(RewardModelConfig, __doc__.split("\n")[0])
     out = cfg.logging.output_dir
     ds_config = training_ds_config(cfg.deepspeed, cfg.model.bf16)
 
@@ -123,7 +105,7 @@ def main() -> int:
 
     ckpt_root = os.path.join(out, "checkpoints")
     step, resume_step = 0, None
-    resume_from = latest_checkpoint(ckpt_root) if args.resume else None
+    resume_from = latest_checkpoint(ckpt_root) if resume else None
     if resume_from:
         step = resume_step = load_checkpoint(resume_from, {"model": engine})["step"]
     logger = RunLogger(
