@@ -54,6 +54,7 @@ def main() -> int:
             "--actor.path", str(model), "--reward_model.path", str(work / "rm" / "model"),
             "--data.prompts", str(data / "prompts_train.parquet"), "--data.eval_prompts", "",
             "--rollout.samples_per_prompt", "1", "--rollout.max_new_tokens", "64", "--ppo.mini_batch_size", "16",
+            "--ppo.max_tokens_per_micro_batch", "4096",
             "--rollout.vllm_max_model_len", "512", "--train.iterations", str(args.iterations), "--train.eval_every", "0",
             "--checkpoint.every_steps", "0", "--logging.wandb", "false",
             "--logging.tensorboard", "false", "--logging.progress_bar", "false",
