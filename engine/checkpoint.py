@@ -1,14 +1,21 @@
 """Resumable checkpoints: DeepSpeed engine states plus the trainer's own state, per step.
 
-Layout: ``CKPT_ROOT/step00000042/{<engine name>/..., trainer_state_rank{r}.pt, COMPLETE}``.
-``COMPLETE`` is written by rank 0 after every rank has finished writing; a directory without
-it (a crash mid-save) is ignored by :func:`latest_checkpoint`, so the previous one is used.
-The trainer state holds the step, the data position and the RNG states of python, numpy and
-torch, saved per rank and loaded with ``weights_only=True``.
+Layout: ``CKPT_ROOT/step00000042/{<engine name>/..., trainer_state_rank{r}.pt, MANIFEST.json}``
+and ``CKPT_ROOT/latest`` (the name of the newest complete checkpoint).
+
+Crash safety: every rank writes into ``step00000042.tmp``; after a barrier rank 0 lists the
+files with their sizes in ``MANIFEST.json``, renames the directory into place (atomic on one
+file system) and only then moves ``latest`` (itself written to a temporary file and renamed).
+A crash during a save leaves the previous checkpoint and pointer untouched. On resume a
+checkpoint whose files no longer match its manifest is skipped in favour of the previous one.
+The trainer state holds the step, the data position, a summary of the run's config (checked
+on resume) and the RNG states of python, numpy and torch, per rank, loaded with
+``weights_only=True``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -18,8 +25,13 @@ from typing import Any
 import numpy as np
 import torch
 
-COMPLETE = "COMPLETE"
+MANIFEST = "MANIFEST.json"
+LATEST = "latest"
 _STEP_DIR = re.compile(r"^step(\d{8})$")
+
+
+class ResumeError(RuntimeError):
+    """A checkpoint that cannot be resumed by this run (message says why and what to do)."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -44,15 +56,20 @@ def save_checkpoint(ckpt_root: str, step: int, engines: dict[str, Any], trainer_
     """All ranks call it; returns the checkpoint directory."""
     rank = torch.distributed.get_rank()
     path = os.path.join(ckpt_root, f"step{step:08d}")
-    if rank == 0 and os.path.isdir(path):  # a half-written leftover of a crashed run
-        shutil.rmtree(path)
+    tmp = f"{path}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a save that crashed
     torch.distributed.barrier()
     for name, engine in engines.items():
-        engine.save_checkpoint(path, tag=name, save_latest=False)
-    torch.save({**trainer_state, "rng": rng_state()}, os.path.join(path, f"trainer_state_rank{rank}.pt"))
+        engine.save_checkpoint(tmp, tag=name, save_latest=False)
+    torch.save({**trainer_state, "rng": rng_state()}, os.path.join(tmp, f"trainer_state_rank{rank}.pt"))
     torch.distributed.barrier()  # every rank's shards are on disk before the directory counts
     if rank == 0:
-        open(os.path.join(path, COMPLETE), "w").close()
+        _write_manifest(tmp)
+        if os.path.isdir(path):  # the same step saved by an earlier, interrupted run
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        _write_atomically(os.path.join(ckpt_root, LATEST), os.path.basename(path))
         for old in complete_checkpoints(ckpt_root)[:-keep_last]:
             shutil.rmtree(old)
     torch.distributed.barrier()
@@ -60,24 +77,96 @@ def save_checkpoint(ckpt_root: str, step: int, engines: dict[str, Any], trainer_
 
 
 def complete_checkpoints(ckpt_root: str) -> list[str]:
-    """Complete checkpoint directories, oldest first."""
+    """Checkpoint directories whose files match their manifest, oldest first."""
     if not os.path.isdir(ckpt_root):
         return []
     found = sorted(d for d in os.listdir(ckpt_root) if _STEP_DIR.match(d))
-    return [os.path.join(ckpt_root, d) for d in found if os.path.exists(os.path.join(ckpt_root, d, COMPLETE))]
+    return [os.path.join(ckpt_root, d) for d in found if _matches_manifest(os.path.join(ckpt_root, d))]
 
 
 def latest_checkpoint(ckpt_root: str) -> str | None:
+    """The newest complete checkpoint (the one ``latest`` names when it is intact)."""
     done = complete_checkpoints(ckpt_root)
     return done[-1] if done else None
 
 
-def load_checkpoint(path: str, engines: dict[str, Any]) -> dict[str, Any]:
-    """Restore engines (weights, optimizer, scheduler) and RNGs; returns the trainer state."""
+def load_checkpoint(path: str, engines: dict[str, Any], run_identity: dict[str, Any], allow_config_change: bool) -> dict[str, Any]:
+    """Restore engines (weights, optimizer, scheduler) and RNGs; returns the trainer state.
+
+    Refuses (ResumeError) a checkpoint written by a run whose ``run_identity`` (model, data,
+    batch shape...) differs, unless ``allow_config_change``.
+    """
+    state = torch.load(os.path.join(path, f"trainer_state_rank{torch.distributed.get_rank()}.pt"), weights_only=True)
+    saved = state.get("run_identity", {})
+    changed = sorted(k for k in set(saved) | set(run_identity) if saved.get(k) != run_identity.get(k))
+    if changed and not allow_config_change:
+        details = "; ".join(f"{k}: checkpoint {saved.get(k)!r}, now {run_identity.get(k)!r}" for k in changed)
+        raise ResumeError(
+            f"{path} belongs to a different run ({details}). Use another logging.output_dir, or pass "
+            "--allow-config-change to resume anyway."
+        )
     for name, engine in engines.items():
         load_path, _ = engine.load_checkpoint(path, tag=name, load_optimizer_states=True, load_lr_scheduler_states=True)
         if load_path is None:
-            raise RuntimeError(f"{path}: DeepSpeed could not load engine '{name}'")
-    state = torch.load(os.path.join(path, f"trainer_state_rank{torch.distributed.get_rank()}.pt"), weights_only=True)
+            raise ResumeError(f"{path}: DeepSpeed could not load engine '{name}'")
     set_rng_state(state.pop("rng"))
     return state
+
+
+def _write_manifest(path: str) -> None:
+    files = {}
+    for root, _, names in os.walk(path):
+        for name in names:
+            full = os.path.join(root, name)
+            files[os.path.relpath(full, path)] = os.path.getsize(full)
+    with open(os.path.join(path, MANIFEST), "w") as f:
+        json.dump(files, f, indent=0, sort_keys=True)
+
+
+def _matches_manifest(path: str) -> bool:
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            files = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return False
+    for rel, size in files.items():
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full) or os.path.getsize(full) != size:
+            return False
+    return True
+
+
+def _write_atomically(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text + "\n")
+    os.replace(tmp, path)
+
+
+class OutputDirError(RuntimeError):
+    """The output directory cannot take this run's checkpoints."""
+
+
+def checkpoint_bytes(models: list[torch.nn.Module]) -> int:
+    """Upper estimate of one checkpoint of trained models: 16 bytes a parameter (weights, fp32
+    master and two Adam moments). ZeRO-3 parameters count at their full size (``ds_numel``)."""
+    return 16 * sum(getattr(p, "ds_numel", p.numel()) for m in models for p in m.parameters())
+
+
+def preflight_output_dir(output_dir: str, needed_bytes: int) -> None:
+    """Fail before training, not at the first save: the directory must be creatable, writable
+    and have room for ``needed_bytes``."""
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        probe = os.path.join(output_dir, f".write-probe-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise OutputDirError(f"output directory {output_dir!r} is not writable: {e.strerror}") from None
+    free = shutil.disk_usage(output_dir).free
+    if free < needed_bytes:
+        raise OutputDirError(
+            f"output directory {output_dir!r} has {free / 2**30:.2f} GiB free, checkpoints need about "
+            f"{needed_bytes / 2**30:.2f} GiB (checkpoint.keep_last + 1 copies); free space or lower keep_last"
+        )

@@ -55,13 +55,22 @@ class RunLogger:
             for key, value in metrics.items():
                 self.tb.add_scalar(key, value, step)
         if self.wandb_run is not None:
-            self.wandb_run.log(metrics, step=step)
+            self._wandb("log", metrics, step=step)
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
         if self.wandb_run is not None:
-            self.wandb_run.finish()
+            self._wandb("finish")
+
+    def _wandb(self, method: str, *args, **kwargs) -> None:
+        # wandb talks to a service process; a preemption signal can kill it first. Losing the
+        # wandb copy must not lose the run (metrics.jsonl and TensorBoard still have it).
+        try:
+            getattr(self.wandb_run, method)(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 -- any wandb failure is reported the same way
+            print(f"warning: wandb {method} failed ({type(e).__name__}: {e}); wandb logging is off for this run")
+            self.wandb_run = None
 
 
 def _truncate_after(path: str, step: int) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import random
+import signal
 import sys
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -16,13 +18,22 @@ from engine.distributed import init_distributed
 T = TypeVar("T")
 
 
-def start_run(config_cls: type[T], description: str) -> tuple[T, bool, int, int]:
+@dataclass(frozen=True)
+class RunArgs:
+    resume: bool  # continue from the latest complete checkpoint
+    allow_config_change: bool  # resume even if the checkpoint's run identity differs
+
+
+def start_run(config_cls: type[T], description: str) -> tuple[T, RunArgs, int, int]:
     """Parse ``--config PATH [--resume] [--section.key value ...]``, load and check the config
     (exit 2 with the message on a bad one), join the process group and seed python, numpy and
-    torch with ``config.train.seed``. Returns ``(config, resume, rank, world_size)``."""
+    torch with ``config.train.seed``. Returns ``(config, run_args, rank, world_size)``."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", required=True, help="run config JSON")
     parser.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    parser.add_argument(
+        "--allow-config-change", action="store_true", help="resume even if model, data or batch shape changed since the checkpoint"
+    )
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     args, overrides = parser.parse_known_args()
     try:
@@ -35,4 +46,26 @@ def start_run(config_cls: type[T], description: str) -> tuple[T, bool, int, int]
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    return cfg, args.resume, rank, world
+    return cfg, RunArgs(args.resume, args.allow_config_change), rank, world
+
+
+class GracefulStop:
+    """SIGTERM / SIGINT (preemption notice, Ctrl-C) ask the run to stop after the current step.
+
+    The deepspeed launcher (0.19) forwards SIGTERM to the ranks and waits 30 s before killing
+    them, so there is time to write a checkpoint. The ranks must stop at the same step (saving
+    is collective): :meth:`requested` agrees over all ranks.
+    """
+
+    def __init__(self):
+        self.signal_name: str | None = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+    def requested(self) -> bool:
+        flag = torch.tensor([int(self.signal_name is not None)])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())

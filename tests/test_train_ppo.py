@@ -86,7 +86,7 @@ def test_resume_continues_with_identical_metrics(ppo_run, tmp_path):
     root, _ = ppo_run
     run = tmp_path / "run"
     shutil.copytree(root / "run", run)
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step00000010", "step00000020"]
+    assert sorted(p.name for p in (run / "checkpoints").glob("step*")) == ["step00000010", "step00000020"]
     shutil.rmtree(run / "checkpoints" / "step00000020")  # died between 10 and 20
     config = json.loads((root / "ppo.json").read_text())
     config["logging"]["output_dir"] = str(run)
@@ -104,7 +104,7 @@ def test_two_ranks_hf_sampler_and_dual_clip(tiny_model_dir, rm_run, rm_data, tmp
                               train__iterations=2, train__eval_every=0, checkpoint__every_steps=1)
     launch("train_ppo.py", config, "--ppo.clip_ratio_c", "3.0", "--ppo.kl_estimator", "k3", ranks=2)
     assert len(metric_series(tmp_path / "run", "ppo/score")) == 2
-    assert (tmp_path / "run" / "checkpoints" / "step00000001" / "COMPLETE").exists()
+    assert (tmp_path / "run" / "checkpoints" / "step00000001" / "MANIFEST.json").exists()
     assert (tmp_path / "run" / "checkpoints" / "step00000001" / "trainer_state_rank1.pt").exists()
     hf = write_ppo_config(tmp_path / "hf.json", tiny_model_dir, rm_root / "run" / "model", rm_data, tmp_path / "hf",
                           train__iterations=2, train__eval_every=0, checkpoint__every_steps=0, rollout__sampler="hf")

@@ -21,7 +21,15 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from engine.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from engine.checkpoint import (
+    OutputDirError,
+    ResumeError,
+    checkpoint_bytes,
+    latest_checkpoint,
+    load_checkpoint,
+    preflight_output_dir,
+    save_checkpoint,
+)
 from engine.config import config_to_dict
 from engine.deepspeed_glue import (
     inference_ds_config,
@@ -39,7 +47,7 @@ from engine.ppo_update import PolicyLossSettings, actor_step, critic_step
 from engine.preference_data import epoch_order
 from engine.run_config import PPOConfig
 from engine.run_logger import RunLogger
-from engine.run_setup import start_run
+from engine.run_setup import GracefulStop, start_run
 from engine.sampler import HFSampler, SamplingSettings, VLLMSampler
 
 
@@ -121,7 +129,7 @@ def _ids(tokenizer, messages) -> list[int]:
 
 
 def main() -> int:
-    cfg, resume, rank, world = start_run(PPOConfig, __doc__.split("\n")[0])
+    cfg, run_args, rank, world = start_run(PPOConfig, __doc__.split("\n")[0])
     out = cfg.logging.output_dir
     ds_config = training_ds_config(cfg.deepspeed, cfg.actor.bf16)
     dtype = torch.bfloat16 if cfg.actor.bf16 else torch.float32
@@ -165,10 +173,24 @@ def main() -> int:
     # --- resume --------------------------------------------------------------------------
     engines = {"actor": actor_engine, "critic": critic_engine}
     ckpt_root = os.path.join(out, "checkpoints")
+    try:  # room for keep_last + 1 checkpoints of actor and critic, and the exported actor
+        trained = checkpoint_bytes([actor, critic])
+        preflight_output_dir(out, (cfg.checkpoint.keep_last + 1) * trained + checkpoint_bytes([actor]) // 4)
+    except OutputDirError as e:
+        print(f"output error: {e}", file=sys.stderr)
+        return 2
+    # What a checkpoint must share with this run to be resumed by it.
+    identity = {"actor": cfg.actor.path, "reward_model": cfg.reward_model.path, "prompts": cfg.data.prompts,
+                "prompts_per_iteration": cfg.rollout.prompts_per_iteration, "samples_per_prompt": cfg.rollout.samples_per_prompt,
+                "mini_batch_size": cfg.ppo.mini_batch_size, "seed": cfg.train.seed, "world_size": world}
     iteration, resume_step = 0, None
-    resume_from = latest_checkpoint(ckpt_root) if resume else None
+    resume_from = latest_checkpoint(ckpt_root) if run_args.resume else None
     if resume_from:
-        state = load_checkpoint(resume_from, engines)
+        try:
+            state = load_checkpoint(resume_from, engines, identity, run_args.allow_config_change)
+        except ResumeError as e:
+            print(f"resume error: {e}", file=sys.stderr)
+            return 2
         iteration = resume_step = state["iteration"]
         kl_ctl.load_state_dict(state["kl_controller"])
         sampler.sync_weights(actor_engine.module)
@@ -191,6 +213,7 @@ def main() -> int:
         raise ValueError(f"{cfg.data.prompts}: {len(prompts)} prompts, fewer than prompts_per_iteration={cfg.rollout.prompts_per_iteration}")
     sampling = SamplingSettings(cfg.rollout.samples_per_prompt, cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens)
     bar = tqdm(total=iterations, initial=iteration, disable=rank != 0 or not cfg.logging.progress_bar, desc="ppo")
+    stop = GracefulStop()  # after vLLM started: its engine installs handlers of its own
     while iteration < iterations:
         t0 = time.perf_counter()
         # Data position is a function of the iteration: epoch, then the slice of its prompt order.
@@ -240,10 +263,19 @@ def main() -> int:
         logger.log(iteration, metrics)
         bar.update(1)
         bar.set_postfix(score=f"{metrics['ppo/score']:.3f}", kl=f"{metrics['ppo/kl']:.4f}", it_s=f"{t4 - t0:.2f}")
-        if cfg.checkpoint.every_steps and iteration % cfg.checkpoint.every_steps == 0 and iteration < iterations:
-            save_checkpoint(ckpt_root, iteration, engines,
-                            {"iteration": iteration, "kl_controller": kl_ctl.state_dict()},
-                            cfg.checkpoint.keep_last)
+        periodic = cfg.checkpoint.every_steps and iteration % cfg.checkpoint.every_steps == 0
+        stopping = iteration < iterations and stop.requested()
+        if (periodic or stopping) and iteration < iterations:
+            path = save_checkpoint(ckpt_root, iteration, engines,
+                                   {"iteration": iteration, "kl_controller": kl_ctl.state_dict(), "run_identity": identity},
+                                   cfg.checkpoint.keep_last)
+        if stopping:
+            bar.close()
+            logger.close()
+            if rank == 0:
+                print(f"stopped by {stop.signal_name or 'a signal on another rank'} after iteration {iteration}: checkpoint "
+                      f"{path}; continue with the same command plus --resume")
+            return 0
     bar.close()
     save_hf_model(actor_engine, tokenizer, os.path.join(out, "actor"))
     logger.close()

@@ -19,7 +19,15 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from engine.batching import plan_global, token_mean_scale
-from engine.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from engine.checkpoint import (
+    OutputDirError,
+    ResumeError,
+    checkpoint_bytes,
+    latest_checkpoint,
+    load_checkpoint,
+    preflight_output_dir,
+    save_checkpoint,
+)
 from engine.config import config_to_dict
 from engine.deepspeed_glue import initialize_training_engine, load_partitioned, save_hf_model, training_ds_config
 from engine.models import load_value_model
@@ -28,7 +36,7 @@ from engine.reward_model import PairStats, dummy_forward_loss, evaluate_pairs, s
 from engine.rm_losses import pair_losses
 from engine.run_config import RewardModelConfig
 from engine.run_logger import RunLogger
-from engine.run_setup import start_run
+from engine.run_setup import GracefulStop, start_run
 
 
 def train_step(engine, examples: list[PreferenceExample], cfg: RewardModelConfig, weights: torch.Tensor, pad_id: int) -> dict[str, float]:
@@ -66,7 +74,7 @@ def train_step(engine, examples: list[PreferenceExample], cfg: RewardModelConfig
 
 
 def main() -> int:
-    cfg, resume, rank, world = start_run(RewardModelConfig, __doc__.split("\n")[0])
+    cfg, run_args, rank, world = start_run(RewardModelConfig, __doc__.split("\n")[0])
     out = cfg.logging.output_dir
     ds_config = training_ds_config(cfg.deepspeed, cfg.model.bf16)
 
@@ -104,10 +112,22 @@ def main() -> int:
     )
 
     ckpt_root = os.path.join(out, "checkpoints")
+    try:  # room for keep_last + 1 checkpoints (a new one is written before the oldest goes) and the final model
+        preflight_output_dir(out, (cfg.checkpoint.keep_last + 1) * checkpoint_bytes([model]) + checkpoint_bytes([model]) // 4)
+    except OutputDirError as e:
+        print(f"output error: {e}", file=sys.stderr)
+        return 2
+    # What a checkpoint must share with this run to be resumed by it.
+    identity = {"model": cfg.model.path, "train_data": cfg.data.train, "components": cfg.rm.components,
+                "pairs_per_step": cfg.train.pairs_per_step, "seed": cfg.train.seed, "world_size": world}
     step, resume_step = 0, None
-    resume_from = latest_checkpoint(ckpt_root) if resume else None
+    resume_from = latest_checkpoint(ckpt_root) if run_args.resume else None
     if resume_from:
-        step = resume_step = load_checkpoint(resume_from, {"model": engine})["step"]
+        try:
+            step = resume_step = load_checkpoint(resume_from, {"model": engine}, identity, run_args.allow_config_change)["step"]
+        except ResumeError as e:
+            print(f"resume error: {e}", file=sys.stderr)
+            return 2
     logger = RunLogger(
         out,
         config_to_dict(cfg),
@@ -125,6 +145,7 @@ def main() -> int:
         engine, validation, components, weights, cfg.train.max_tokens_per_micro_batch, tokenizer.pad_token_id
     )
 
+    stop = GracefulStop()
     while step < total_steps:
         # Data position is a function of the step: epoch, then the batch inside its shuffled order.
         epoch, in_epoch = divmod(step, steps_per_epoch)
@@ -149,8 +170,17 @@ def main() -> int:
         logger.log(step, metrics)
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['rm/loss']:.3f}", acc=f"{metrics['rm/acc']:.2f}", tok_s=f"{metrics['timing/tokens_per_s']:.0f}")
-        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < total_steps:
-            save_checkpoint(ckpt_root, step, {"model": engine}, {"step": step}, cfg.checkpoint.keep_last)
+        periodic = cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0
+        stopping = step < total_steps and stop.requested()
+        if (periodic or stopping) and step < total_steps:
+            path = save_checkpoint(ckpt_root, step, {"model": engine}, {"step": step, "run_identity": identity}, cfg.checkpoint.keep_last)
+        if stopping:
+            bar.close()
+            logger.close()
+            if rank == 0:
+                print(f"stopped by {stop.signal_name or 'a signal on another rank'} after step {step}: checkpoint {path}; "
+                      "continue with the same command plus --resume")
+            return 0
     bar.close()
 
     engine.eval()

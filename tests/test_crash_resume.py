@@ -1,0 +1,119 @@
+"""Crash safety of train_rm.py under the real launcher: SIGTERM, SIGKILL, damaged checkpoints,
+resuming with another config. Every resumed run must reproduce the uninterrupted run's losses."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+from helpers import REPO, RM_STEPS, launch, launcher_cmd, metric_series, write_rm_config
+
+
+def straight_losses(rm_run) -> dict[int, float]:
+    root, _ = rm_run
+    return metric_series(root / "run", "rm/loss")
+
+
+def start_rm(config: Path, *extra: str) -> subprocess.Popen:
+    cmd = [*launcher_cmd(1), str(REPO / "train" / "train_rm.py"), "--config", str(config), *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env={**os.environ, "OMP_NUM_THREADS": "2"}, start_new_session=True)
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.exists() and any(json.loads(l)["step"] >= step for l in metrics.read_text().splitlines() if l.strip()):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"step {step} not reached")
+
+
+def workers(proc: subprocess.Popen) -> list[psutil.Process]:
+    """The training ranks (not the launcher, whose command line names the script too)."""
+    return [
+        p for p in psutil.Process(proc.pid).children(recursive=True)
+        if "train_rm.py" in " ".join(p.cmdline()) and "deepspeed.launcher" not in " ".join(p.cmdline())
+    ]
+
+
+def assert_resume_matches(rm_run, config: Path, run_dir: Path, expect_from: int | None = None) -> int:
+    result = launch("train_rm.py", config, "--resume")
+    resumed_at = int(result.stdout.split("resumed at step ")[1].split()[0].rstrip(","))
+    if expect_from is not None:
+        assert resumed_at == expect_from
+    straight, resumed = straight_losses(rm_run), metric_series(run_dir, "rm/loss")
+    assert sorted(resumed) == list(range(1, RM_STEPS + 1))
+    assert [resumed[s] for s in range(resumed_at + 1, RM_STEPS + 1)] == [straight[s] for s in range(resumed_at + 1, RM_STEPS + 1)]
+    return resumed_at
+
+
+def test_sigterm_writes_a_checkpoint_and_exits_cleanly(rm_run, tiny_model_dir, rm_data, tmp_path):
+    config = write_rm_config(tmp_path / "rm.json", tiny_model_dir, rm_data, tmp_path / "run")
+    proc = start_rm(config)
+    wait_for_step(tmp_path / "run", 5, proc)
+    for worker in workers(proc):  # what a scheduler's preemption notice does
+        worker.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output[-3000:]
+    assert "stopped by SIGTERM after step" in output and "--resume" in output
+    stopped_at = int(output.split("stopped by SIGTERM after step ")[1].split(":")[0])
+    assert 5 <= stopped_at < RM_STEPS
+    assert (tmp_path / "run" / "checkpoints" / f"step{stopped_at:08d}" / "MANIFEST.json").exists()
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == f"step{stopped_at:08d}"
+    assert_resume_matches(rm_run, config, tmp_path / "run", expect_from=stopped_at)
+
+
+def test_sigkill_mid_run_resumes_from_the_last_complete_checkpoint(rm_run, tiny_model_dir, rm_data, tmp_path):
+    config = write_rm_config(tmp_path / "rm.json", tiny_model_dir, rm_data, tmp_path / "run")
+    proc = start_rm(config)
+    wait_for_step(tmp_path / "run", 25, proc)  # past the step-20 checkpoint
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert not (tmp_path / "run" / "model").exists()
+    assert assert_resume_matches(rm_run, config, tmp_path / "run") >= 20
+
+
+def test_damaged_newest_checkpoint_is_skipped(rm_run, tmp_path):
+    root, _ = rm_run
+    run = tmp_path / "run"
+    shutil.copytree(root / "run", run)
+    shard = next((run / "checkpoints" / "step00000040").rglob("*.pt"))
+    shard.write_bytes(shard.read_bytes()[:-10])  # torn write
+    config = json.loads((root / "rm.json").read_text())
+    config["logging"]["output_dir"] = str(run)
+    (tmp_path / "rm.json").write_text(json.dumps(config))
+    assert_resume_matches(rm_run, tmp_path / "rm.json", run, expect_from=20)
+
+
+def test_resume_with_another_config_is_refused_unless_allowed(rm_run, tmp_path):
+    root, _ = rm_run
+    run = tmp_path / "run"
+    shutil.copytree(root / "run", run)
+    config = json.loads((root / "rm.json").read_text())
+    config["logging"]["output_dir"] = str(run)
+    config["train"]["pairs_per_step"] = 16
+    (tmp_path / "rm.json").write_text(json.dumps(config))
+    refused = subprocess.run([*launcher_cmd(1), str(REPO / "train" / "train_rm.py"), "--config", str(tmp_path / "rm.json"), "--resume"],
+                             capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert refused.returncode != 0
+    assert "belongs to a different run (pairs_per_step: checkpoint 32, now 16)" in refused.stdout + refused.stderr
+    allowed = launch("train_rm.py", tmp_path / "rm.json", "--resume", "--allow-config-change", "--train.max_steps", "42")
+    assert "resumed at step 40" in allowed.stdout
+
+
+def test_unwritable_output_dir_fails_before_training(tiny_model_dir, rm_data, tmp_path):
+    (tmp_path / "blocker").write_text("a file where the run directory should go")
+    config = write_rm_config(tmp_path / "rm.json", tiny_model_dir, rm_data, tmp_path / "blocker" / "run")
+    result = subprocess.run([*launcher_cmd(1), str(REPO / "train" / "train_rm.py"), "--config", str(config)],
+                            capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode != 0
+    assert "is not writable" in result.stdout + result.stderr
