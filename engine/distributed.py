@@ -47,3 +47,12 @@ def agree_max(value: int) -> int:
     t = torch.tensor([value], dtype=torch.long)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return int(t.item())
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group together: without it a rank that exits first can tear down gloo
+    while another is still inside its last collective ("terminate called without an active
+    exception", SIGABRT, seen with torch 2.13 on 2 CPU ranks)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

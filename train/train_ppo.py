@@ -38,6 +38,7 @@ from engine.deepspeed_glue import (
     save_hf_model,
     training_ds_config,
 )
+from engine.distributed import shutdown_distributed
 from engine.experience import Experience, map_micro_batches, pad_right, response_logprobs, response_values
 from engine.models import load_causal_lm, load_value_model
 from engine.packing import packed_forward
@@ -289,4 +290,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    shutdown_distributed()
+    sys.exit(code)

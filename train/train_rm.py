@@ -30,6 +30,7 @@ from engine.checkpoint import (
 )
 from engine.config import config_to_dict
 from engine.deepspeed_glue import initialize_training_engine, load_partitioned, save_hf_model, training_ds_config
+from engine.distributed import shutdown_distributed
 from engine.models import load_value_model
 from engine.preference_data import PreferenceExample, collate_pairs, epoch_order, load_preferences
 from engine.reward_model import PairStats, dummy_forward_loss, evaluate_pairs, score_pairs
@@ -204,4 +205,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    shutdown_distributed()
+    sys.exit(code)

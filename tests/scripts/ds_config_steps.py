@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from transformers.integrations import HfDeepSpeedConfig
 
 from engine.config import DS_CONFIGS_DIR
-from engine.distributed import init_distributed
+from engine.distributed import init_distributed, shutdown_distributed
 
 
 def main() -> None:
@@ -51,3 +51,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    shutdown_distributed()

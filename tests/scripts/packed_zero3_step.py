@@ -21,7 +21,7 @@ from transformers.integrations import HfDeepSpeedConfig
 
 from engine.batching import plan_global, token_mean_scale
 from engine.config import DS_CONFIGS_DIR
-from engine.distributed import init_distributed
+from engine.distributed import init_distributed, shutdown_distributed
 from engine.models import load_causal_lm
 from engine.packing import next_token_logprobs, pack_sequences, packed_forward
 
@@ -84,3 +84,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    shutdown_distributed()

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from engine.config import DS_CONFIGS_DIR
 from engine.deepspeed_glue import initialize_training_engine, load_partitioned, training_ds_config
-from engine.distributed import init_distributed
+from engine.distributed import init_distributed, shutdown_distributed
 from engine.models import load_causal_lm
 from engine.packing import next_token_logprobs, pack_sequences, packed_forward
 from engine.sampler import HFSampler, SamplingSettings, VLLMSampler
@@ -75,3 +75,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    shutdown_distributed()
