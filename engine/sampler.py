@@ -112,6 +112,12 @@ class VLLMSampler:
 
         push_weights_to_vllm(actor_module, self.llm)
 
+    def close(self) -> None:
+        """Shut vLLM down while the process group still exists (its exit hook tears down the
+        groups it made; run after ours are gone it raises "Invalid process group")."""
+        del self.llm
+        gc.collect()
+
 
 class HFSampler:
     """``generate`` on the actor (a DeepSpeed engine or a plain model); same interface."""
@@ -164,3 +170,6 @@ class HFSampler:
 
     def sync_weights(self, actor_module: torch.nn.Module) -> None:
         """Nothing to do: it samples from the actor itself."""
+
+    def close(self) -> None:
+        """Nothing to release."""

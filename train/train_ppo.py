@@ -272,6 +272,7 @@ def main() -> int:
                                    cfg.checkpoint.keep_last)
         if stopping:
             bar.close()
+            sampler.close()
             logger.close()
             if rank == 0:
                 print(f"stopped by {stop.signal_name or 'a signal on another rank'} after iteration {iteration}: checkpoint "
@@ -279,6 +280,7 @@ def main() -> int:
             return 0
     bar.close()
     save_hf_model(actor_engine, tokenizer, os.path.join(out, "actor"))
+    sampler.close()
     logger.close()
     if rank == 0:
         summary = f"ppo done: {iterations} iterations, last KL {metrics['ppo/kl']:.4f} (per sequence)" if iterations else "ppo done"

@@ -70,6 +70,7 @@ def main() -> None:
         "stale_equal": v_stale == h1, "after_equal": v1 == h1, "rng_preserved": rng_preserved,
         "sync_s": sync_s, "generate_s": generate_s,
     }))
+    vllm.close()
     del keep_alive
 
 
