@@ -52,3 +52,8 @@ def tokenize_pairs(
                 "prompt as a prefix of prompt + response; use a template without that rewriting"
             )
     return prompt_ids, full_ids
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: Sequence[Message]) -> list[int]:
+    """Token ids of the prompt as the policy sees it (ending with the assistant header)."""
+    return tokenizer(render_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]

@@ -20,10 +20,13 @@ import os
 import random
 import re
 import shutil
+import signal
 from typing import Any
 
 import numpy as np
 import torch
+
+from engine import faults
 
 MANIFEST = "MANIFEST.json"
 LATEST = "latest"
@@ -52,8 +55,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def save_checkpoint(ckpt_root: str, step: int, engines: dict[str, Any], trainer_state: dict[str, Any], keep_last: int) -> str:
-    """All ranks call it; returns the checkpoint directory."""
+def save_checkpoint(
+    ckpt_root: str, step: int, engines: dict[str, Any], trainer_state: dict[str, Any], keep_last: int, keep: str | None = None
+) -> str:
+    """All ranks call it; returns the checkpoint directory. Older checkpoints beyond the last
+    ``keep_last`` are deleted, except ``keep`` (e.g. the rollback target)."""
     rank = torch.distributed.get_rank()
     path = os.path.join(ckpt_root, f"step{step:08d}")
     tmp = f"{path}.tmp"
@@ -63,6 +69,8 @@ def save_checkpoint(ckpt_root: str, step: int, engines: dict[str, Any], trainer_
     for name, engine in engines.items():
         engine.save_checkpoint(tmp, tag=name, save_latest=False)
     torch.save({**trainer_state, "rng": rng_state()}, os.path.join(tmp, f"trainer_state_rank{rank}.pt"))
+    if faults.kill_in_checkpoint_at(step):
+        os.kill(os.getpid(), signal.SIGKILL)
     torch.distributed.barrier()  # every rank's shards are on disk before the directory counts
     if rank == 0:
         _write_manifest(tmp)
@@ -71,7 +79,8 @@ def save_checkpoint(ckpt_root: str, step: int, engines: dict[str, Any], trainer_
         os.replace(tmp, path)
         _write_atomically(os.path.join(ckpt_root, LATEST), os.path.basename(path))
         for old in complete_checkpoints(ckpt_root)[:-keep_last]:
-            shutil.rmtree(old)
+            if old != keep:
+                shutil.rmtree(old)
     torch.distributed.barrier()
     return path
 

@@ -28,7 +28,9 @@ def training_ds_config(ds_config: dict[str, Any], bf16: bool) -> dict[str, Any]:
     cfg["train_micro_batch_size_per_gpu"] = 1
     cfg["gradient_accumulation_steps"] = 1
     cfg["managed_gradient_accumulation"] = False
-    cfg["bf16"] = {"enabled": bf16}
+    # bf16 ZeRO-1/2 check the gradient for NaN/Inf only when asked (fp32 and ZeRO-3 always do):
+    # a non-finite step is then discarded, which engine/guards.py counts.
+    cfg["bf16"] = {"enabled": True, "check_grad_overflow": True} if bf16 else {"enabled": False}
     cfg.setdefault("gradient_clipping", 1.0)
     return cfg
 

@@ -46,8 +46,11 @@ def global_token_count(mask: torch.Tensor) -> int:
     return int(count.item())
 
 
-def actor_step(engine, batch: Experience, settings: PolicyLossSettings, max_tokens: int, pad_id: int) -> dict[str, float]:
-    """Clipped (or dual-clip) PPO policy loss [+ KL loss - entropy bonus]; returns summed stats."""
+def actor_step(
+    engine, batch: Experience, settings: PolicyLossSettings, max_tokens: int, pad_id: int, poison: bool = False
+) -> dict[str, float]:
+    """Clipped (or dual-clip) PPO policy loss [+ KL loss - entropy bonus]; returns summed stats.
+    ``poison`` multiplies the loss by NaN (fault injection, engine/faults.py)."""
     world = torch.distributed.get_world_size()
     scale = token_mean_scale(global_token_count(batch.mask), world)
     sums = torch.zeros(5, dtype=torch.float64)  # pg_loss, clipped tokens, approx_kl, entropy, tokens
@@ -65,7 +68,7 @@ def actor_step(engine, batch: Experience, settings: PolicyLossSettings, max_toke
         per_token = pg.loss - settings.entropy_coef * entropy
         if settings.kl_loss_coef:
             per_token = per_token + settings.kl_loss_coef * kl_penalty(logprobs, mb.ref_logprobs, settings.kl_estimator)
-        engine.backward((per_token * mask).sum() * scale)
+        engine.backward((per_token * mask).sum() * (float("nan") if poison else scale))
         with torch.no_grad():
             log_ratio = logprobs - mb.old_logprobs
             sums += torch.stack(

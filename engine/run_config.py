@@ -53,6 +53,15 @@ class LoggingSection:
 
 
 @dataclass
+class GuardsSection:
+    max_nonfinite_in_a_row: int = option(5, "abort after this many optimizer steps in a row discarded for a NaN/Inf loss or gradient")
+
+    def __post_init__(self):
+        if self.max_nonfinite_in_a_row < 1:
+            raise ConfigError(f"'max_nonfinite_in_a_row' must be >= 1, got {self.max_nonfinite_in_a_row}")
+
+
+@dataclass
 class RMDataSection:
     train: str = required("train pairs parquet (data_prep/prepare_preferences.py)")
     validation: str = required("validation pairs parquet")
@@ -98,6 +107,7 @@ class RewardModelConfig:
     train: RMTrainSection = section(RMTrainSection, "batching and schedule")
     optim: OptimSection = section(OptimSection, "optimizer and learning-rate schedule")
     checkpoint: CheckpointSection = section(CheckpointSection, "resumable checkpoints")
+    guards: GuardsSection = section(GuardsSection, "training guards")
     logging: LoggingSection = section(LoggingSection, "where and how to log")
 
 
@@ -168,6 +178,31 @@ class PPOTrainSection:
 
 
 @dataclass
+class PPOGuardsSection(GuardsSection):
+    kl_ceiling: float | None = option(None, "rollout KL per token above which the actor LR is lowered (e.g. 0.1; None: off)")
+    kl_lr_factor: float = option(0.5, "multiply the actor LR by this each time the KL is above kl_ceiling")
+    rollback_drop: float | None = option(
+        None, "roll back when the held-out reward falls this fraction of |best| below the best (e.g. 0.05; None: off)"
+    )
+    rollback_min_drop: float = option(0.0, "... and by at least this much (absolute; rewards near 0 make fractions noisy)")
+    rollback_lr_factor: float = option(0.5, "multiply the actor LR by this after a rollback")
+    max_rollbacks: int = option(2, "give up (exit 3) at the drop after this many rollbacks")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not (0 < self.kl_lr_factor <= 1 and 0 < self.rollback_lr_factor <= 1):
+            raise ConfigError(f"LR factors must be in (0, 1], got {self.kl_lr_factor}, {self.rollback_lr_factor}")
+
+
+@dataclass
+class MonitorSection:
+    length_ratio_max: float = option(1.5, "flag when mean response length / the reference's exceeds this")
+    repeated_ngram_max: float = option(0.3, "flag when the fraction of repeated n-grams in responses exceeds this")
+    ngram: int = option(4, "n of the repeated n-gram monitor (in tokens)")
+    sample_rows: int = option(4, "held-out prompts whose responses go to samples.jsonl at each evaluation")
+
+
+@dataclass
 class PPOConfig:
     """Config of train/train_ppo.py."""
 
@@ -181,9 +216,13 @@ class PPOConfig:
     train: PPOTrainSection = section(PPOTrainSection, "schedule")
     optim: OptimSection = section(OptimSection, "actor optimizer and learning-rate schedule")
     checkpoint: CheckpointSection = section(CheckpointSection, "resumable checkpoints (every_steps counts iterations)")
+    guards: PPOGuardsSection = section(PPOGuardsSection, "training guards: NaN steps, KL ceiling, rollback")
+    monitors: MonitorSection = section(MonitorSection, "reward-hacking monitors on held-out responses")
     logging: LoggingSection = section(LoggingSection, "where and how to log")
 
     def __post_init__(self):
+        if self.guards.rollback_drop is not None and not (self.data.eval_prompts and self.train.eval_every):
+            raise ConfigError("guards.rollback_drop needs data.eval_prompts and train.eval_every > 0 (the held-out reward it watches)")
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rollout = self.rollout.prompts_per_iteration * self.rollout.samples_per_prompt
         if self.rollout.prompts_per_iteration % world:

@@ -1,4 +1,4 @@
-"""Metrics sinks of a run (rank 0 only): metrics.jsonl, TensorBoard and wandb.
+"""Metrics sinks of a run (rank 0 only): metrics.jsonl, TensorBoard and wandb (and config.json).
 
 wandb runs offline unless ``WANDB_MODE`` is set or an API key is present, so a run never
 needs an account; the offline run can be synced later with ``wandb sync``.
@@ -30,10 +30,15 @@ class RunLogger:
             return
         os.makedirs(output_dir, exist_ok=True)
         self.path = os.path.join(output_dir, "metrics.jsonl")
-        if resume_step is None:  # a fresh run starts a fresh file
-            open(self.path, "w").close()
-        else:  # a resumed run rewrites what came after its checkpoint
-            _truncate_after(self.path, resume_step)
+        with open(os.path.join(output_dir, "config.json"), "w") as f:  # the resolved config, for reports
+            json.dump(config, f, indent=2)
+        self.events_path = os.path.join(output_dir, "events.jsonl")
+        self.samples_path = os.path.join(output_dir, "samples.jsonl")
+        for path in (self.path, self.events_path, self.samples_path):
+            if resume_step is None:  # a fresh run starts fresh files
+                open(path, "w").close()
+            else:  # a resumed run rewrites what came after its checkpoint
+                _truncate_after(path, resume_step)
         if use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -57,6 +62,34 @@ class RunLogger:
         if self.wandb_run is not None:
             self._wandb("log", metrics, step=step)
 
+    def rewind(self, step: int) -> None:
+        """Forget the metrics and samples logged after ``step`` (a rollback to a checkpoint
+        there); events stay, they tell what happened."""
+        if not self.enabled:
+            return
+        for path in (self.path, self.samples_path):
+            _truncate_after(path, step)
+        if self.tb is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb.close()
+            self.tb = SummaryWriter(self.tb.log_dir, purge_step=step + 1)
+
+    def event(self, step: int, kind: str, message: str, **fields: Any) -> None:
+        """A guard or monitor event: printed, and kept in events.jsonl for the report."""
+        if not self.enabled:
+            return
+        print(f"[{kind}] step {step}: {message}")
+        with open(self.events_path, "a") as f:
+            f.write(json.dumps({"step": step, "event": kind, "message": message, **fields}) + "\n")
+
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Example rollouts (prompt, response, reward, kl, ...) kept in samples.jsonl for the report."""
+        if not self.enabled:
+            return
+        with open(self.samples_path, "a") as f:
+            f.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
@@ -77,12 +110,20 @@ def _truncate_after(path: str, step: int) -> None:
     if not os.path.exists(path):
         return
     with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+        kept = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= step]
     with open(path, "w") as f:
         f.writelines(kept)
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl file, in order."""
+    """The records of a metrics/events/samples .jsonl file, in order. A run still writing may
+    have a half-written last line: it is left out."""
+    records = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                if line.endswith("\n"):
+                    raise
+    return records

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from engine.run_logger import read_metrics
@@ -26,17 +27,29 @@ def launcher_cmd(ranks: int) -> list[str]:
     return [LAUNCHER, "--num_gpus", str(ranks), "--master_port", str(port)]
 
 
-def run_launched(cmd: list[str], ranks: int) -> subprocess.CompletedProcess:
-    """Run a launcher command (OMP threads shared between ranks); fails the test on error."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1" if ranks > 1 else "2"}
+def run_launched(cmd: list[str], ranks: int, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """Run a launcher command (OMP threads shared between ranks); fails the test on error unless
+    ``check`` is false. ``env`` adds variables (e.g. RLHF_FAULTS)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1" if ranks > 1 else "2", **(env or {})}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    if check:
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result
 
 
-def launch(script: str, config: Path, *extra: str, ranks: int = 1) -> subprocess.CompletedProcess:
+def launch(script: str, config: Path, *extra: str, ranks: int = 1, env: dict[str, str] | None = None,
+           check: bool = True) -> subprocess.CompletedProcess:
     """``deepspeed --num_gpus ranks train/<script> --config config extra...``."""
-    return run_launched([*launcher_cmd(ranks), str(REPO / "train" / script), "--config", str(config), *extra], ranks)
+    return run_launched([*launcher_cmd(ranks), str(REPO / "train" / script), "--config", str(config), *extra], ranks, env, check)
+
+
+def faults(**spec) -> dict[str, str]:
+    """The environment that injects faults (engine/faults.py)."""
+    return {"RLHF_FAULTS": json.dumps(spec)}
+
+
+def read_events(output_dir: Path) -> list[dict]:
+    return read_metrics(str(output_dir / "events.jsonl"))
 
 
 def write_rm_config(path: Path, tiny_model_dir: Path, rm_data: Path, output_dir: Path, **train) -> Path:
@@ -56,3 +69,23 @@ def write_rm_config(path: Path, tiny_model_dir: Path, rm_data: Path, output_dir:
 
 def metric_series(output_dir: Path, key: str) -> dict[int, float]:
     return {m["step"]: m[key] for m in read_metrics(str(output_dir / "metrics.jsonl")) if key in m}
+
+
+def start_launched(script: str, config: Path, *extra: str) -> subprocess.Popen:
+    """One rank of train/<script> under the launcher, in the background, in its own session
+    (so ``os.killpg(proc.pid, SIGKILL)`` kills the launcher and the rank together)."""
+    cmd = [*launcher_cmd(1), str(REPO / "train" / script), "--config", str(config), *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env={**os.environ, "OMP_NUM_THREADS": "2"}, start_new_session=True)
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    """Wait until metrics.jsonl has logged ``step`` (fails if the run exits first)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.exists() and any(m["step"] >= step for m in read_metrics(str(metrics))):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"step {step} not reached")

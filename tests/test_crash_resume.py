@@ -8,33 +8,15 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import psutil
-from helpers import REPO, RM_STEPS, launch, launcher_cmd, metric_series, write_rm_config
+from helpers import REPO, RM_STEPS, faults, launch, launcher_cmd, metric_series, start_launched, wait_for_step, write_rm_config
 
 
 def straight_losses(rm_run) -> dict[int, float]:
     root, _ = rm_run
     return metric_series(root / "run", "rm/loss")
-
-
-def start_rm(config: Path, *extra: str) -> subprocess.Popen:
-    cmd = [*launcher_cmd(1), str(REPO / "train" / "train_rm.py"), "--config", str(config), *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                            env={**os.environ, "OMP_NUM_THREADS": "2"}, start_new_session=True)
-
-
-def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
-        metrics = run_dir / "metrics.jsonl"
-        if metrics.exists() and any(json.loads(l)["step"] >= step for l in metrics.read_text().splitlines() if l.strip()):
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"step {step} not reached")
 
 
 def workers(proc: subprocess.Popen) -> list[psutil.Process]:
@@ -58,7 +40,7 @@ def assert_resume_matches(rm_run, config: Path, run_dir: Path, expect_from: int 
 
 def test_sigterm_writes_a_checkpoint_and_exits_cleanly(rm_run, tiny_model_dir, rm_data, tmp_path):
     config = write_rm_config(tmp_path / "rm.json", tiny_model_dir, rm_data, tmp_path / "run")
-    proc = start_rm(config)
+    proc = start_launched("train_rm.py", config)
     wait_for_step(tmp_path / "run", 5, proc)
     for worker in workers(proc):  # what a scheduler's preemption notice does
         worker.send_signal(signal.SIGTERM)
@@ -74,12 +56,23 @@ def test_sigterm_writes_a_checkpoint_and_exits_cleanly(rm_run, tiny_model_dir, r
 
 def test_sigkill_mid_run_resumes_from_the_last_complete_checkpoint(rm_run, tiny_model_dir, rm_data, tmp_path):
     config = write_rm_config(tmp_path / "rm.json", tiny_model_dir, rm_data, tmp_path / "run")
-    proc = start_rm(config)
+    proc = start_launched("train_rm.py", config)
     wait_for_step(tmp_path / "run", 25, proc)  # past the step-20 checkpoint
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
     assert not (tmp_path / "run" / "model").exists()
     assert assert_resume_matches(rm_run, config, tmp_path / "run") >= 20
+
+
+def test_sigkill_during_a_checkpoint_write_leaves_the_previous_one_usable(rm_run, tiny_model_dir, rm_data, tmp_path):
+    config = write_rm_config(tmp_path / "rm.json", tiny_model_dir, rm_data, tmp_path / "run")
+    killed = launch("train_rm.py", config, env=faults(kill_in_checkpoint_at=40), check=False)
+    assert killed.returncode != 0
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert (checkpoints / "step00000040.tmp").is_dir() and not (checkpoints / "step00000040").exists()  # the torn save
+    assert (checkpoints / "latest").read_text().strip() == "step00000020"
+    assert_resume_matches(rm_run, config, tmp_path / "run", expect_from=20)
+    assert not (checkpoints / "step00000040.tmp").exists()  # the resumed run saved step 40 over it
 
 
 def test_damaged_newest_checkpoint_is_skipped(rm_run, tmp_path):

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
-import shutil
+import os
+import signal
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import launch, metric_series
+from helpers import faults, launch, metric_series, read_events, start_launched, wait_for_step
 from transformers import AutoModelForCausalLM
 
+from engine.report import expected_plots
 from engine.run_logger import read_metrics
 
 ITERATIONS, EVERY = 30, 10
@@ -35,7 +37,7 @@ def write_ppo_config(path: Path, tiny_model_dir: Path, rm_dir: Path, data: Path,
     }
     for key, value in overrides.items():
         section, name = key.split("__")
-        config[section][name] = value
+        config.setdefault(section, {})[name] = value
     path.write_text(json.dumps(config))
     return path
 
@@ -62,6 +64,30 @@ def test_learns_on_the_synthetic_task_with_bounded_kl(ppo_run):
     assert max(kl.values()) < 10.0
     coef = metric_series(root / "run", "ppo/kl_coef")
     assert coef[ITERATIONS] != coef[1]  # the adaptive controller moved
+    win = metric_series(root / "run", "eval/win_rate")  # against the reference's responses, under the RM
+    assert abs(win[0] - 0.5) < 0.2, win  # the policy is the reference: a coin flip
+    assert win[ITERATIONS] > 0.65 and win[ITERATIONS] > win[0] + 0.15, win
+    assert metric_series(root / "run", "eval/kl")[0] == 0.0
+
+
+def test_report_renders_every_plot_with_stable_metric_keys(ppo_run):
+    root, result = ppo_run
+    run = root / "run"
+    assert f"report: {run}/report.html" in result.stdout
+    page = (run / "report.html").read_text()
+    for name in [*expected_plots(str(run)), "win_rate.png", "monitors.png"]:
+        png = (run / "report" / name).read_bytes()
+        assert png.startswith(b"\x89PNG") and len(png) > 5000, name
+        assert f'src="report/{name}"' in page
+    metrics = read_metrics(str(run / "metrics.jsonl"))
+    keys = lambda step: {k for k in metrics[step] if not k.startswith("eval/")}
+    assert all(keys(i) == keys(1) for i in range(1, ITERATIONS + 1))
+    eval_keys = [{k for k in m if k.startswith("eval/")} for m in metrics if "eval/reward" in m]
+    assert len(eval_keys) == 4 and all(k == eval_keys[0] for k in eval_keys)
+    samples = read_metrics(str(run / "samples.jsonl"))
+    assert sorted({s["step"] for s in samples}) == [0, 10, 20, 30]
+    assert {"prompt", "response", "reward", "kl", "ref_response", "ref_reward"} <= samples[0].keys()
+    assert samples[0]["response"] in page or samples[-1]["response"][:20] in page
 
 
 def test_sampler_stays_in_sync_with_the_actor(ppo_run):
@@ -82,20 +108,44 @@ def test_exported_actor_loads_and_differs_from_the_start(ppo_run, tiny_model_dir
     assert not torch.equal(trained["lm_head.weight"], start["lm_head.weight"])
 
 
-def test_resume_continues_with_identical_metrics(ppo_run, tmp_path):
+def test_sigkill_mid_iteration_and_during_a_checkpoint_write_then_identical_resume(ppo_run, tmp_path):
     root, _ = ppo_run
-    run = tmp_path / "run"
-    shutil.copytree(root / "run", run)
-    assert sorted(p.name for p in (run / "checkpoints").glob("step*")) == ["step00000010", "step00000020"]
-    shutil.rmtree(run / "checkpoints" / "step00000020")  # died between 10 and 20
     config = json.loads((root / "ppo.json").read_text())
-    config["logging"]["output_dir"] = str(run)
+    config["logging"]["output_dir"] = str(tmp_path / "run")
     (tmp_path / "ppo.json").write_text(json.dumps(config))
+    proc = start_launched("train_ppo.py", tmp_path / "ppo.json")
+    wait_for_step(tmp_path / "run", 13, proc)  # past the iteration-10 checkpoint
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    # The resumed run is itself killed inside its iteration-20 save; the second resume starts at 10 again.
+    torn = launch("train_ppo.py", tmp_path / "ppo.json", "--resume", env=faults(kill_in_checkpoint_at=20), check=False)
+    assert torn.returncode != 0 and "resumed at iteration 10" in torn.stdout
+    assert (tmp_path / "run" / "checkpoints" / "step00000020.tmp").is_dir()
     result = launch("train_ppo.py", tmp_path / "ppo.json", "--resume")
     assert "resumed at iteration 10" in result.stdout
     for key in DETERMINISTIC:
-        straight, resumed = metric_series(root / "run", key), metric_series(run, key)
+        straight, resumed = metric_series(root / "run", key), metric_series(tmp_path / "run", key)
+        assert sorted(resumed) == list(range(1, ITERATIONS + 1)), key
         assert [resumed[i] for i in range(11, ITERATIONS + 1)] == [straight[i] for i in range(11, ITERATIONS + 1)], key
+    assert metric_series(tmp_path / "run", "eval/win_rate") == metric_series(root / "run", "eval/win_rate")
+
+
+def test_nan_steps_are_skipped_and_a_reward_drop_rolls_back_once(tiny_model_dir, rm_run, rm_data, tmp_path):
+    rm_root, _ = rm_run
+    config = write_ppo_config(tmp_path / "ppo.json", tiny_model_dir, rm_root / "run" / "model", rm_data, tmp_path / "run",
+                              train__iterations=8, train__eval_every=2, checkpoint__every_steps=0, guards__rollback_drop=0.05)
+    launch("train_ppo.py", config, env=faults(nan_loss_at_steps=[2], eval_reward_offset={"6": -10.0}))
+    run = tmp_path / "run"
+    events = read_events(run)
+    assert [(e["step"], e["event"]) for e in events] == [(2, "nonfinite_skip"), (2, "nonfinite_skip"), (6, "rollback")]
+    assert events[-1]["to_step"] == 4 and "checkpoints/step00000004" in events[-1]["message"]
+    assert metric_series(run, "guard/nonfinite_skipped")[8] == 2  # both actor steps of iteration 2
+    lr = metric_series(run, "ppo/actor_lr")
+    assert [lr[i] for i in range(1, 9)] == [5e-4] * 4 + [2.5e-4] * 4  # halved from the rollback on
+    assert sorted(metric_series(run, "eval/reward")) == [0, 2, 4, 6, 8]  # the rolled-back iterations were re-run
+    assert metric_series(run, "eval/reward")[6] > -5.0  # ... without the injected drop
+    assert metric_series(run, "guard/rollbacks")[8] == 1
+    assert (run / "actor" / "model.safetensors").exists()
 
 
 def test_two_ranks_hf_sampler_and_dual_clip(tiny_model_dir, rm_run, rm_data, tmp_path):
@@ -121,6 +171,10 @@ def test_zero2_with_replicated_frozen_models(tiny_model_dir, rm_run, rm_data, tm
     rm_root, _ = rm_run
     config = write_ppo_config(tmp_path / "ppo.json", tiny_model_dir, rm_root / "run" / "model", rm_data, tmp_path / "run",
                               train__iterations=2, train__eval_every=0, checkpoint__every_steps=0)
-    launch("train_ppo.py", config, "--deepspeed", "tiny_cpu_zero2.json")
+    launch("train_ppo.py", config, "--deepspeed", "tiny_cpu_zero2.json", "--guards.kl_ceiling", "1e-9")
     gap = metric_series(tmp_path / "run", "ppo/sampler_logprob_gap")
     assert len(gap) == 2 and max(gap.values()) < 1e-4
+    # KL guard: iteration 1 samples from the reference itself (KL 0); iteration 2 is above the ceiling.
+    # The monitor flags the held-out KL of the final evaluation against the same ceiling.
+    assert [(e["step"], e["event"]) for e in read_events(tmp_path / "run")] == [(2, "kl_guard"), (2, "monitor/kl_above_ceiling")]
+    assert metric_series(tmp_path / "run", "ppo/actor_lr") == {1: 5e-4, 2: 2.5e-4}

@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+from engine.chat import prompt_ids
 from engine.checkpoint import (
     OutputDirError,
     ResumeError,
@@ -40,12 +41,17 @@ from engine.deepspeed_glue import (
 )
 from engine.distributed import shutdown_distributed
 from engine.experience import Experience, map_micro_batches, pad_right, response_logprobs, response_values
+from engine.faults import eval_reward_offset, nan_loss_at
+from engine.guards import KLGuard, NonFiniteGuard, RollbackGuard, TrainingAborted, scale_learning_rate
 from engine.models import load_causal_lm, load_value_model
+from engine.monitors import HackingMonitor
 from engine.packing import packed_forward
+from engine.ppo_eval import HeldOutEvaluator
 from engine.ppo_losses import AdaptiveKLController, FixedKLController, gae, kl_penalty, masked_mean, token_rewards, whiten
 from engine.ppo_rewards import RewardScorer
 from engine.ppo_update import PolicyLossSettings, actor_step, critic_step
 from engine.preference_data import epoch_order
+from engine.report import write_report
 from engine.run_config import PPOConfig
 from engine.run_logger import RunLogger
 from engine.run_setup import GracefulStop, start_run
@@ -110,25 +116,6 @@ def mean_over_ranks(stats: dict[str, float]) -> dict[str, float]:
     return {k: v / torch.distributed.get_world_size() for k, v in zip(keys, t.tolist())}
 
 
-def evaluate(sampler, scorer, prompts, tokenizer, cfg: PPOConfig) -> dict[str, float]:
-    """Held-out prompts (this rank's share): RM score of one sampled (fixed seed) and the greedy response."""
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    mine = prompts[rank::world]
-    ids = [_ids(tokenizer, p) for p in mine]
-    results = {}
-    for name, temperature in (("reward", cfg.rollout.temperature), ("reward_greedy", 0.0)):
-        settings = SamplingSettings(1, temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens)
-        samples = [s[0] for s in sampler.generate(ids, settings, request_seed=10**6 + rank)]
-        texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
-        results[name] = scorer.score(mine, texts, [s.finished for s in samples])[0].mean().item()
-        results[f"{name}_length"] = float(np.mean([len(s.response_ids) for s in samples]))
-    return mean_over_ranks(results)
-
-
-def _ids(tokenizer, messages) -> list[int]:
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
-
-
 def main() -> int:
     cfg, run_args, rank, world = start_run(PPOConfig, __doc__.split("\n")[0])
     out = cfg.logging.output_dir
@@ -189,42 +176,99 @@ def main() -> int:
     identity = {"actor": cfg.actor.path, "reward_model": cfg.reward_model.path, "prompts": cfg.data.prompts,
                 "prompts_per_iteration": cfg.rollout.prompts_per_iteration, "samples_per_prompt": cfg.rollout.samples_per_prompt,
                 "mini_batch_size": cfg.ppo.mini_batch_size, "seed": cfg.train.seed, "world_size": world}
-    iteration, resume_step = 0, None
+    guards = {
+        "nonfinite": NonFiniteGuard(cfg.guards.max_nonfinite_in_a_row),
+        "kl_guard": KLGuard(cfg.guards.kl_ceiling),
+        "rollback": RollbackGuard(cfg.guards.rollback_drop, cfg.guards.rollback_min_drop, cfg.guards.max_rollbacks),
+        "monitor": HackingMonitor(cfg.monitors.length_ratio_max, cfg.monitors.repeated_ngram_max, cfg.guards.kl_ceiling),
+    }
+    nonfinite, kl_guard, rollback, monitor = guards.values()
+    # Trainer state beyond the engines: what a checkpoint holds and a resume or rollback restores.
+    run = {"iteration": 0, "lr_scale": 1.0, "last_good": None, "scores_since_eval": []}
+
+    def trainer_state() -> dict:
+        return {**run, "kl_controller": kl_ctl.state_dict(), "run_identity": identity,
+                **{name: guard.state_dict() for name, guard in guards.items()}}
+
+    def restore(path: str, allow_config_change: bool) -> dict:
+        state = load_checkpoint(path, engines, identity, allow_config_change)
+        kl_ctl.load_state_dict(state["kl_controller"])
+        run["iteration"], run["scores_since_eval"] = state["iteration"], state["scores_since_eval"]
+        return state
+
+    resume_step = None
     resume_from = latest_checkpoint(ckpt_root) if run_args.resume else None
     if resume_from:
         try:
-            state = load_checkpoint(resume_from, engines, identity, run_args.allow_config_change)
+            state = restore(resume_from, run_args.allow_config_change)
         except ResumeError as e:
             print(f"resume error: {e}", file=sys.stderr)
             return 2
-        iteration = resume_step = state["iteration"]
-        kl_ctl.load_state_dict(state["kl_controller"])
+        resume_step = state["iteration"]
+        run.update(lr_scale=state["lr_scale"], last_good=state["last_good"])
+        for name, guard in guards.items():
+            guard.load_state_dict(state[name])
         sampler.sync_weights(actor_engine.module)
     logger = RunLogger(out, config_to_dict(cfg), enabled=rank == 0, use_tensorboard=cfg.logging.tensorboard,
                        use_wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project, resume_step=resume_step)
     if rank == 0:
         print(f"train_ppo: {len(prompts)} prompts, {iterations} iterations, {world} rank(s), sampler {cfg.rollout.sampler}"
-              + (f", resumed at iteration {iteration} from {resume_from}" if resume_from else ""))
-    first_eval = evaluate(sampler, scorer, eval_prompts, tokenizer, cfg) if eval_prompts and iteration == 0 else None
+              + (f", resumed at iteration {resume_step} from {resume_from}" if resume_from else ""))
+    sampling = SamplingSettings(cfg.rollout.samples_per_prompt, cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens)
+    evaluator = None
+    if eval_prompts:
+        evaluator = HeldOutEvaluator(eval_prompts, tokenizer, scorer, sampling, cfg.ppo.max_tokens_per_micro_batch, cfg.monitors.ngram)
+        if cfg.rollout.sampler == "vllm":  # the reference's responses from vLLM loaded with the reference weights
+            sampler.sync_weights(ref_engine.module)
+            evaluator.sample_reference(sampler)
+            sampler.sync_weights(actor_engine.module)
+        else:
+            evaluator.sample_reference(HFSampler(ref_engine, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id))
+
+    def held_out_eval(iteration: int) -> dict[str, float]:
+        """Evaluate, log sample rows and monitor flags; returns the eval/* metrics."""
+        result, rows = evaluator.evaluate(sampler, actor_engine, ref_engine, cfg.monitors.sample_rows)
+        result["reward"] += eval_reward_offset(iteration)
+        scores = run["scores_since_eval"]
+        for kind, message in monitor.check(result, float(np.mean(scores)) if scores else None):
+            logger.event(iteration, kind, message)
+        run["scores_since_eval"] = []
+        logger.samples(iteration, rows)
+        return {f"eval/{k}": v for k, v in result.items()}
+
+    def finish(code: int, message: str) -> int:
+        bar.close()
+        sampler.close()
+        logger.close()
+        if rank == 0:
+            print(message, file=sys.stderr if code else sys.stdout)
+            report = write_report(out)
+            print(f"report: {report}")
+        return code
+
+    first_eval = held_out_eval(0) if evaluator and not resume_from else None
     if first_eval:
-        logger.log(0, {f"eval/{k}": v for k, v in first_eval.items()})
+        logger.log(0, first_eval)
+        rollback.is_drop(first_eval["eval/reward"])  # the starting point is the first best
+        if rollback.max_drop is not None:  # ... and the first checkpoint to come back to
+            run["last_good"] = save_checkpoint(ckpt_root, 0, engines, trainer_state(), cfg.checkpoint.keep_last)
 
     settings = PolicyLossSettings(
         clip_low=cfg.ppo.clip_ratio, clip_high=cfg.ppo.clip_ratio_high or cfg.ppo.clip_ratio, clip_ratio_c=cfg.ppo.clip_ratio_c,
         kl_loss_coef=cfg.ppo.kl_loss_coef, kl_estimator=cfg.ppo.kl_estimator, entropy_coef=cfg.ppo.entropy_coef,
     )
     per_rank = cfg.rollout.prompts_per_iteration // world
-    sampling = SamplingSettings(cfg.rollout.samples_per_prompt, cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens)
-    bar = tqdm(total=iterations, initial=iteration, disable=rank != 0 or not cfg.logging.progress_bar, desc="ppo")
+    bar = tqdm(total=iterations, initial=run["iteration"], disable=rank != 0 or not cfg.logging.progress_bar, desc="ppo")
     stop = GracefulStop()  # after vLLM started: its engine installs handlers of its own
-    while iteration < iterations:
+    while run["iteration"] < iterations:
+        iteration = run["iteration"]
         t0 = time.perf_counter()
         # Data position is a function of the iteration: epoch, then the slice of its prompt order.
         epoch, in_epoch = divmod(iteration, per_epoch)
         order = epoch_order(len(prompts), cfg.train.seed, epoch)
         start = in_epoch * cfg.rollout.prompts_per_iteration + rank * per_rank
         batch_msgs = [prompts[i] for i in order[start : start + per_rank]]
-        samples_nested = sampler.generate([_ids(tokenizer, m) for m in batch_msgs], sampling, request_seed=iteration * world + rank)
+        samples_nested = sampler.generate([prompt_ids(tokenizer, m) for m in batch_msgs], sampling, request_seed=iteration * world + rank)
         samples = [s for group in samples_nested for s in group]
         sample_msgs = [m for m, group in zip(batch_msgs, samples_nested) for _ in group]
         t1 = time.perf_counter()
@@ -236,22 +280,40 @@ def main() -> int:
         local_mb = cfg.ppo.mini_batch_size // world
         perm_gen = torch.Generator().manual_seed(cfg.train.seed * 100_003 + iteration)
         train_stats: dict[str, list[float]] = {}
-        for _ in range(cfg.ppo.ppo_epochs):
-            perm = torch.randperm(len(samples), generator=perm_gen).tolist()
-            for k in range(0, len(samples), local_mb):
-                mb = exp.select(perm[k : k + local_mb])
-                stats = critic_step(critic_engine, mb, value_weights, cfg.ppo.value_clip, cfg.ppo.max_tokens_per_micro_batch, tokenizer.pad_token_id)
-                if iteration >= cfg.critic.warmup_iterations:
-                    stats |= actor_step(actor_engine, mb, settings, cfg.ppo.max_tokens_per_micro_batch, tokenizer.pad_token_id)
-                for key, value in stats.items():
-                    train_stats.setdefault(key, []).append(value)
+        poison = nan_loss_at(iteration + 1)
+        try:
+            for _ in range(cfg.ppo.ppo_epochs):
+                perm = torch.randperm(len(samples), generator=perm_gen).tolist()
+                for k in range(0, len(samples), local_mb):
+                    mb = exp.select(perm[k : k + local_mb])
+                    stats = critic_step(critic_engine, mb, value_weights, cfg.ppo.value_clip, cfg.ppo.max_tokens_per_micro_batch,
+                                        tokenizer.pad_token_id)
+                    steps = [("critic", critic_engine)]
+                    if iteration >= cfg.critic.warmup_iterations:
+                        stats |= actor_step(actor_engine, mb, settings, cfg.ppo.max_tokens_per_micro_batch, tokenizer.pad_token_id, poison)
+                        steps.append(("actor", actor_engine))
+                    for name, engine in steps:
+                        if nonfinite.update(engine.was_step_applied(), f"{name}, iteration {iteration + 1}"):
+                            logger.event(iteration + 1, "nonfinite_skip", f"{name} step skipped: non-finite loss or gradient")
+                    for key, value in stats.items():
+                        train_stats.setdefault(key, []).append(value)
+        except TrainingAborted as e:
+            logger.event(iteration + 1, "nonfinite_abort", str(e))
+            return finish(3, f"training aborted: {e}")
         t3 = time.perf_counter()
         if iteration >= cfg.critic.warmup_iterations:
             sampler.sync_weights(actor_engine.module)
         t4 = time.perf_counter()
         rollout_stats = mean_over_ranks(rollout_stats)
+        rollout_stats["kl_per_token"] = rollout_stats["kl"] / max(rollout_stats["response_length"], 1.0)
         kl_ctl.update(rollout_stats["kl"], n_steps=cfg.rollout.prompts_per_iteration * cfg.rollout.samples_per_prompt)
-        iteration += 1
+        iteration = run["iteration"] = iteration + 1
+        run["scores_since_eval"].append(rollout_stats["score"])
+        if kl_guard.exceeded(rollout_stats["kl_per_token"]):
+            scale_learning_rate(actor_engine, cfg.guards.kl_lr_factor)
+            run["lr_scale"] *= cfg.guards.kl_lr_factor
+            logger.event(iteration, "kl_guard", f"KL {rollout_stats['kl_per_token']:.4f} per token is above the ceiling "
+                                                f"{cfg.guards.kl_ceiling}: actor LR x{cfg.guards.kl_lr_factor}")
         generated = torch.tensor([float(exp.mask.sum())])
         torch.distributed.all_reduce(generated)
         metrics = {f"ppo/{k}": v for k, v in rollout_stats.items()}
@@ -260,37 +322,49 @@ def main() -> int:
             "ppo/kl_coef": kl_ctl.value, "ppo/actor_lr": actor_engine.get_lr()[0],
             "timing/generate_s": t1 - t0, "timing/make_experience_s": t2 - t1, "timing/train_s": t3 - t2,
             "timing/sync_s": t4 - t3, "timing/iteration_s": t4 - t0, "timing/generated_tokens_per_s": generated.item() / (t1 - t0),
+            "guard/nonfinite_skipped": nonfinite.skipped, "guard/kl_guard_hits": kl_guard.hits, "guard/rollbacks": rollback.rollbacks,
         }
-        if eval_prompts and ((cfg.train.eval_every and iteration % cfg.train.eval_every == 0) or iteration == iterations):
-            metrics |= {f"eval/{k}": v for k, v in evaluate(sampler, scorer, eval_prompts, tokenizer, cfg).items()}
+        evaluated = evaluator and ((cfg.train.eval_every and iteration % cfg.train.eval_every == 0) or iteration == iterations)
+        if evaluated:
+            metrics |= held_out_eval(iteration)
         logger.log(iteration, metrics)
         bar.update(1)
         bar.set_postfix(score=f"{metrics['ppo/score']:.3f}", kl=f"{metrics['ppo/kl']:.4f}", it_s=f"{t4 - t0:.2f}")
+        if evaluated and rollback.is_drop(metrics["eval/reward"]):
+            try:
+                rollback.count_rollback(metrics["eval/reward"], run["last_good"])
+            except TrainingAborted as e:
+                logger.event(iteration, "rollback_give_up", str(e))
+                return finish(3, f"training aborted: {e}")
+            state = restore(run["last_good"], allow_config_change=False)
+            new_scale = run["lr_scale"] * cfg.guards.rollback_lr_factor
+            scale_learning_rate(actor_engine, new_scale / state["lr_scale"])  # the checkpoint's schedule had its own scale
+            run["lr_scale"] = new_scale
+            sampler.sync_weights(actor_engine.module)
+            logger.rewind(run["iteration"])
+            logger.event(iteration, "rollback", f"held-out reward {metrics['eval/reward']:.4f} fell below the best "
+                         f"{rollback.best:.4f}: rolled back to {run['last_good']}, actor LR scale {new_scale:g} "
+                         f"(rollback {rollback.rollbacks} of {rollback.max_rollbacks})", to_step=run["iteration"])
+            bar.reset(total=iterations)
+            bar.update(run["iteration"])
+            continue
+        good = evaluated and rollback.max_drop is not None  # a checkpoint to come back to
         periodic = cfg.checkpoint.every_steps and iteration % cfg.checkpoint.every_steps == 0
         stopping = iteration < iterations and stop.requested()
-        if (periodic or stopping) and iteration < iterations:
-            path = save_checkpoint(ckpt_root, iteration, engines,
-                                   {"iteration": iteration, "kl_controller": kl_ctl.state_dict(), "run_identity": identity},
-                                   cfg.checkpoint.keep_last)
+        if (periodic or stopping or good) and iteration < iterations:
+            if good:
+                run["last_good"] = os.path.join(ckpt_root, f"step{iteration:08d}")
+            path = save_checkpoint(ckpt_root, iteration, engines, trainer_state(), cfg.checkpoint.keep_last, keep=run["last_good"])
         if stopping:
-            bar.close()
-            sampler.close()
-            logger.close()
-            if rank == 0:
-                print(f"stopped by {stop.signal_name or 'a signal on another rank'} after iteration {iteration}: checkpoint "
-                      f"{path}; continue with the same command plus --resume")
-            return 0
-    bar.close()
+            return finish(0, f"stopped by {stop.signal_name or 'a signal on another rank'} after iteration {iteration}: checkpoint "
+                             f"{path}; continue with the same command plus --resume")
     save_hf_model(actor_engine, tokenizer, os.path.join(out, "actor"))
-    sampler.close()
-    logger.close()
-    if rank == 0:
-        summary = f"ppo done: {iterations} iterations, last KL {metrics['ppo/kl']:.4f} (per sequence)" if iterations else "ppo done"
-        if first_eval and "eval/reward" in metrics:
-            summary += f"; held-out reward {first_eval['reward']:.3f} -> {metrics['eval/reward']:.3f}"
-        print(f"{summary}; actor saved to {out}/actor")
+    summary = f"ppo done: {iterations} iterations, last KL {metrics['ppo/kl']:.4f} (per sequence)" if iterations else "ppo done"
+    if first_eval and "eval/reward" in metrics:
+        summary += (f"; held-out reward {first_eval['eval/reward']:.3f} -> {metrics['eval/reward']:.3f}, "
+                    f"win rate vs reference {metrics['eval/win_rate']:.3f}")
     del keep_alive
-    return 0
+    return finish(0, f"{summary}; actor saved to {out}/actor")
 
 
 if __name__ == "__main__":

@@ -31,8 +31,11 @@ from engine.checkpoint import (
 from engine.config import config_to_dict
 from engine.deepspeed_glue import initialize_training_engine, load_partitioned, save_hf_model, training_ds_config
 from engine.distributed import shutdown_distributed
+from engine.faults import nan_loss_at
+from engine.guards import NonFiniteGuard, TrainingAborted
 from engine.models import load_value_model
 from engine.preference_data import PreferenceExample, collate_pairs, epoch_order, load_preferences
+from engine.report import write_report
 from engine.reward_model import PairStats, dummy_forward_loss, evaluate_pairs, score_pairs
 from engine.rm_losses import pair_losses
 from engine.run_config import RewardModelConfig
@@ -40,8 +43,11 @@ from engine.run_logger import RunLogger
 from engine.run_setup import GracefulStop, start_run
 
 
-def train_step(engine, examples: list[PreferenceExample], cfg: RewardModelConfig, weights: torch.Tensor, pad_id: int) -> dict[str, float]:
-    """One optimizer step over a global mini-batch of pairs (every rank holds the whole list)."""
+def train_step(
+    engine, examples: list[PreferenceExample], cfg: RewardModelConfig, weights: torch.Tensor, pad_id: int, poison: bool = False
+) -> dict[str, float]:
+    """One optimizer step over a global mini-batch of pairs (every rank holds the whole list).
+    ``poison`` multiplies the loss by NaN (fault injection, engine/faults.py)."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     plan = plan_global([e.num_tokens for e in examples], cfg.train.max_tokens_per_micro_batch, world)[rank]
     # Global counts: each loss term is a mean over the whole mini-batch (engine/batching.py).
@@ -62,7 +68,7 @@ def train_step(engine, examples: list[PreferenceExample], cfg: RewardModelConfig
         for c, n in enumerate(n_labelled):
             if n:
                 loss = loss + losses.component[:, c].sum() * token_mean_scale(n, world)
-        engine.backward(loss)
+        engine.backward(loss * float("nan") if poison else loss)
         stats.add(r_chosen, r_rejected, weights, labels, losses)
     engine.step()
     metrics = stats.reduce()
@@ -122,13 +128,16 @@ def main() -> int:
     identity = {"model": cfg.model.path, "train_data": cfg.data.train, "components": cfg.rm.components,
                 "pairs_per_step": cfg.train.pairs_per_step, "seed": cfg.train.seed, "world_size": world}
     step, resume_step = 0, None
+    nonfinite = NonFiniteGuard(cfg.guards.max_nonfinite_in_a_row)
     resume_from = latest_checkpoint(ckpt_root) if run_args.resume else None
     if resume_from:
         try:
-            step = resume_step = load_checkpoint(resume_from, {"model": engine}, identity, run_args.allow_config_change)["step"]
+            state = load_checkpoint(resume_from, {"model": engine}, identity, run_args.allow_config_change)
         except ResumeError as e:
             print(f"resume error: {e}", file=sys.stderr)
             return 2
+        step = resume_step = state["step"]
+        nonfinite.load_state_dict(state["nonfinite"])
     logger = RunLogger(
         out,
         config_to_dict(cfg),
@@ -146,6 +155,14 @@ def main() -> int:
         engine, validation, components, weights, cfg.train.max_tokens_per_micro_batch, tokenizer.pad_token_id
     )
 
+    def finish(code: int, message: str) -> int:
+        bar.close()
+        logger.close()
+        if rank == 0:
+            print(message, file=sys.stderr if code else sys.stdout)
+            print(f"report: {write_report(out)}")
+        return code
+
     stop = GracefulStop()
     while step < total_steps:
         # Data position is a function of the step: epoch, then the batch inside its shuffled order.
@@ -154,9 +171,15 @@ def main() -> int:
         batch = [train[i] for i in order[in_epoch * cfg.train.pairs_per_step : (in_epoch + 1) * cfg.train.pairs_per_step]]
         start = time.perf_counter()
         engine.train()
-        metrics = {f"rm/{k}": v for k, v in train_step(engine, batch, cfg, weights, tokenizer.pad_token_id).items()}
+        metrics = {f"rm/{k}": v for k, v in train_step(engine, batch, cfg, weights, tokenizer.pad_token_id, nan_loss_at(step + 1)).items()}
         seconds = time.perf_counter() - start
         step += 1
+        try:
+            if nonfinite.update(engine.was_step_applied(), f"step {step}"):
+                logger.event(step, "nonfinite_skip", f"optimizer step skipped: non-finite loss or gradient ({nonfinite.in_a_row} in a row)")
+        except TrainingAborted as e:
+            logger.event(step, "nonfinite_abort", str(e))
+            return finish(3, f"training aborted: {e}")
         tokens = sum(e.num_tokens for e in batch)
         metrics |= {
             "rm/lr": engine.get_lr()[0],
@@ -164,6 +187,7 @@ def main() -> int:
             "rm/epoch": epoch + (in_epoch + 1) / steps_per_epoch,
             "timing/step_s": seconds,
             "timing/tokens_per_s": tokens / seconds,
+            "guard/nonfinite_skipped": nonfinite.skipped,
         }
         if cfg.train.eval_every_steps and step % cfg.train.eval_every_steps == 0 and step < total_steps:
             engine.eval()
@@ -174,14 +198,10 @@ def main() -> int:
         periodic = cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0
         stopping = step < total_steps and stop.requested()
         if (periodic or stopping) and step < total_steps:
-            path = save_checkpoint(ckpt_root, step, {"model": engine}, {"step": step, "run_identity": identity}, cfg.checkpoint.keep_last)
+            path = save_checkpoint(ckpt_root, step, {"model": engine}, {"step": step, "nonfinite": nonfinite.state_dict(), "run_identity": identity}, cfg.checkpoint.keep_last)
         if stopping:
-            bar.close()
-            logger.close()
-            if rank == 0:
-                print(f"stopped by {stop.signal_name or 'a signal on another rank'} after step {step}: checkpoint {path}; "
-                      "continue with the same command plus --resume")
-            return 0
+            return finish(0, f"stopped by {stop.signal_name or 'a signal on another rank'} after step {step}: checkpoint {path}; "
+                             "continue with the same command plus --resume")
     bar.close()
 
     engine.eval()
@@ -195,13 +215,10 @@ def main() -> int:
         "validation_pairs": len(validation),
     }
     save_hf_model(engine, tokenizer, os.path.join(out, "model"), {"reward_stats.json": reward_stats, "train_config.json": config_to_dict(cfg)})
-    logger.close()
-    if rank == 0:
-        per_component = ", ".join(f"{c} {final[f'acc_{c}']:.3f}" for c in components if f"acc_{c}" in final)
-        print(f"validation accuracy {final['acc']:.3f}" + (f" ({per_component})" if per_component else "")
-              + f", margin {final['margin']:.3f}, loss {final['loss_total']:.4f}; model saved to {out}/model")
+    per_component = ", ".join(f"{c} {final[f'acc_{c}']:.3f}" for c in components if f"acc_{c}" in final)
     del keep_alive
-    return 0
+    return finish(0, f"validation accuracy {final['acc']:.3f}" + (f" ({per_component})" if per_component else "")
+                  + f", margin {final['margin']:.3f}, loss {final['loss_total']:.4f}; model saved to {out}/model")
 
 
 if __name__ == "__main__":

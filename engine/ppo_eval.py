@@ -1,0 +1,105 @@
+"""Held-out evaluation during PPO with the local reward model.
+
+Every evaluation scores, on held-out prompts, one sampled response (fixed seed, so evaluations
+compare like with like) and the greedy response of the current policy, and compares the
+sampled one with the **reference policy's** sampled response to the same prompt: the win rate
+under the RM (ties count half; 0.5 when the policy is the reference). It also measures the
+KL to the reference on the held-out responses and what the hacking monitors watch (length
+against the reference's, repeated n-grams). The reference responses are sampled once per run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from engine.chat import prompt_ids
+from engine.experience import map_micro_batches, response_logprobs
+from engine.monitors import repeated_ngrams
+from engine.ppo_rewards import RewardScorer
+from engine.sampler import Sample, SamplingSettings
+
+POLICY_SEED, REFERENCE_SEED = 10**6, 2 * 10**6  # request seeds (+ rank): independent policy and reference draws
+
+
+def win_scores(policy: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """Per prompt: 1 when the policy's response scores higher than the reference's, 0.5 on a tie."""
+    return (policy > reference).float() + 0.5 * (policy == reference).float()
+
+
+@dataclass(frozen=True)
+class Responses:
+    """One scored response per held-out prompt of this rank."""
+
+    samples: list[Sample]
+    texts: list[str]
+    rewards: torch.Tensor  # (n,)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return torch.tensor([len(s.response_ids) for s in self.samples], dtype=torch.float64)
+
+
+class HeldOutEvaluator:
+    """This rank's share of the held-out prompts, and the reference's responses to them."""
+
+    def __init__(self, prompts: Sequence[list[dict[str, str]]], tokenizer, scorer: RewardScorer, settings: SamplingSettings,
+                 max_tokens: int, ngram: int):
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        self.rank, self.messages = rank, list(prompts[rank::world])
+        self.ids = [prompt_ids(tokenizer, m) for m in self.messages]
+        self.tokenizer, self.scorer, self.settings = tokenizer, scorer, settings
+        self.max_tokens, self.ngram = max_tokens, ngram
+        self.reference: Responses | None = None
+
+    def respond(self, sampler, temperature: float, seed: int) -> Responses:
+        settings = SamplingSettings(1, temperature, self.settings.top_p, self.settings.max_new_tokens)
+        samples = [group[0] for group in sampler.generate(self.ids, settings, request_seed=seed + self.rank)]
+        texts = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+        rewards = self.scorer.score(self.messages, texts, [s.finished for s in samples])[0]
+        return Responses(samples, texts, rewards)
+
+    def sample_reference(self, reference_sampler) -> None:
+        """Sample the reference policy's responses (``reference_sampler`` holds its weights)."""
+        self.reference = self.respond(reference_sampler, self.settings.temperature, REFERENCE_SEED)
+
+    @torch.no_grad()
+    def kl_to_reference(self, samples: list[Sample], actor, ref) -> torch.Tensor:
+        """(n,) KL(policy || reference) of each response, summed over its tokens (k1 estimate)."""
+        sequences = [s.prompt_ids + s.response_ids for s in samples]
+        lens = [len(s.prompt_ids) for s in samples]
+        pad = self.tokenizer.pad_token_id
+        logprobs = lambda model: map_micro_batches(
+            sequences, self.max_tokens, pad, lambda packed, idx: response_logprobs(model, packed, [lens[i] for i in idx])[0]
+        )
+        return torch.stack([(a - r).sum() for a, r in zip(logprobs(actor), logprobs(ref))]).double()
+
+    def evaluate(self, sampler, actor, ref, sample_rows: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """Held-out metrics averaged over all ranks, and example rows (rank 0's first prompts)."""
+        assert self.reference is not None, "sample_reference first"
+        sampled = self.respond(sampler, self.settings.temperature, POLICY_SEED)
+        greedy = self.respond(sampler, 0.0, POLICY_SEED)
+        kl = self.kl_to_reference(sampled.samples, actor, ref)
+        repeated, total = map(sum, zip(*(repeated_ngrams(s.response_ids, self.ngram) for s in sampled.samples)))
+        ref = self.reference
+        sums = torch.tensor([
+            float(len(sampled.samples)), sampled.rewards.sum(), greedy.rewards.sum(), ref.rewards.sum(),
+            win_scores(sampled.rewards, ref.rewards).sum(), kl.sum(), sampled.lengths.sum(), greedy.lengths.sum(),
+            ref.lengths.sum(), float(repeated), float(total),
+        ], dtype=torch.float64)
+        torch.distributed.all_reduce(sums)
+        n, reward, greedy_reward, ref_reward, wins, kl_sum, length, greedy_length, ref_length, repeated, total = sums.tolist()
+        metrics = {
+            "reward": reward / n, "reward_greedy": greedy_reward / n, "ref_reward": ref_reward / n, "win_rate": wins / n,
+            "kl": kl_sum / n, "kl_per_token": kl_sum / max(length, 1.0), "reward_length": length / n,
+            "reward_greedy_length": greedy_length / n, "ref_length": ref_length / n, "length_ratio": length / max(ref_length, 1.0),
+            "repeated_ngram_frac": repeated / max(total, 1.0),
+        }
+        rows = [
+            {"prompt": self.messages[i][-1]["content"], "response": sampled.texts[i], "reward": sampled.rewards[i].item(),
+             "kl": kl[i].item(), "ref_response": ref.texts[i], "ref_reward": ref.rewards[i].item()}
+            for i in range(min(sample_rows, len(self.messages)))
+        ] if self.rank == 0 else []
+        return metrics, rows
