@@ -21,9 +21,9 @@ from engine.packing import VARLEN_SDPA  # importing it registers that attention 
 def load_causal_lm(
     path: str, dtype: torch.dtype = torch.float32, attn_implementation: str = VARLEN_SDPA, trust_remote_code: bool = False
 ) -> PreTrainedModel:
-    """A causal LM from an HF checkpoint directory (or hub name)."""
+    """A causal LM from an HF checkpoint directory (or hub name); safetensors weights only."""
     return AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+        path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, use_safetensors=True
     )
 
 
@@ -39,6 +39,18 @@ def load_value_model(
     From a causal LM the head is freshly initialised (``components`` default: ``["reward"]``);
     from a saved value model ``components`` defaults to, and must match, its ``id2label``.
     """
+    return AutoModelForTokenClassification.from_pretrained(
+        path,
+        config=value_model_config(path, components, trust_remote_code),
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+        use_safetensors=True,
+    )
+
+
+def value_model_config(path: str, components: Sequence[str] | None = None, trust_remote_code: bool = False):
+    """The checkpoint's config with a ``len(components)``-way per-token head (see load_value_model)."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     if any(a.endswith("ForTokenClassification") for a in config.architectures or []):
         saved = [config.id2label[i] for i in sorted(config.id2label)]
@@ -50,10 +62,4 @@ def load_value_model(
     config.id2label = dict(enumerate(components))
     config.label2id = {name: i for i, name in enumerate(components)}
     config.classifier_dropout = 0.0  # a dropout before the head would make rewards random in training
-    return AutoModelForTokenClassification.from_pretrained(
-        path,
-        config=config,
-        dtype=dtype,
-        attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code,
-    )
+    return config

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import signal
 import sys
@@ -22,11 +23,12 @@ T = TypeVar("T")
 class RunArgs:
     resume: bool  # continue from the latest complete checkpoint
     allow_config_change: bool  # resume even if the checkpoint's run identity differs
+    dry_run: bool  # print the plan (data, batches, parameters, memory) and exit: engine/dry_run.py
 
 
 def start_run(config_cls: type[T], description: str) -> tuple[T, RunArgs, int, int]:
-    """Parse ``--config PATH [--resume] [--section.key value ...]``, load and check the config
-    (exit 2 with the message on a bad one), join the process group and seed python, numpy and
+    """Parse ``--config PATH [--resume] [--dry-run] [--section.key value ...]``, load and check the config
+    (exit 2 with the message on a bad one), join the process group (not for a dry run) and seed python, numpy and
     torch with ``config.train.seed``. Returns ``(config, run_args, rank, world_size)``."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", required=True, help="run config JSON")
@@ -34,6 +36,7 @@ def start_run(config_cls: type[T], description: str) -> tuple[T, RunArgs, int, i
     parser.add_argument(
         "--allow-config-change", action="store_true", help="resume even if model, data or batch shape changed since the checkpoint"
     )
+    parser.add_argument("--dry-run", action="store_true", help="print the run's plan (data, batches, parameters, memory) and exit")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     args, overrides = parser.parse_known_args()
     try:
@@ -41,12 +44,15 @@ def start_run(config_cls: type[T], description: str) -> tuple[T, RunArgs, int, i
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
-    rank, world = init_distributed()
+    if args.dry_run:  # no process group: nothing collective happens
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    else:
+        rank, world = init_distributed()
     seed = cfg.train.seed  # type: ignore[attr-defined]
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    return cfg, RunArgs(args.resume, args.allow_config_change), rank, world
+    return cfg, RunArgs(args.resume, args.allow_config_change, args.dry_run), rank, world
 
 
 class GracefulStop:

@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 LAUNCHER = str(Path(sys.executable).parent / "deepspeed")
 RM_COMPONENTS = {"helpful": 0.5, "harmless": 0.5}
 RM_STEPS, RM_EVERY = 60, 20  # two epochs of 1,900 pairs; a checkpoint every 20 steps
+PPO_ITERATIONS, PPO_EVERY = 30, 10  # evaluation and checkpoint every 10 iterations
 
 
 def launcher_cmd(ranks: int) -> list[str]:
@@ -63,6 +64,28 @@ def write_rm_config(path: Path, tiny_model_dir: Path, rm_data: Path, output_dir:
         "checkpoint": {"every_steps": RM_EVERY, "keep_last": 5},
         "logging": {"output_dir": str(output_dir), "progress_bar": False},
     }
+    path.write_text(json.dumps(config))
+    return path
+
+
+def write_ppo_config(path: Path, tiny_model_dir: Path, rm_dir: Path, data: Path, output_dir: Path, **overrides) -> Path:
+    config = {
+        "actor": {"path": str(tiny_model_dir)},
+        "reward_model": {"path": str(rm_dir), "clip": 5.0},
+        "data": {"prompts": str(data / "prompts_train.parquet"), "eval_prompts": str(data / "prompts_validation.parquet")},
+        "deepspeed": "tiny_cpu_zero3.json",
+        "critic": {"init_from": "reward_model", "lr": 1e-4},
+        "rollout": {"sampler": "vllm", "prompts_per_iteration": 16, "samples_per_prompt": 4, "max_new_tokens": 24,
+                    "vllm_kv_cache_mb": 64, "vllm_max_model_len": 256},
+        "ppo": {"mini_batch_size": 32, "kl_coef": 0.02, "kl_target": 1.0, "kl_horizon": 2000},
+        "train": {"iterations": PPO_ITERATIONS, "eval_every": PPO_EVERY},
+        "optim": {"lr": 5e-4, "warmup_ratio": 0.0, "lr_scheduler": "constant_with_warmup"},
+        "checkpoint": {"every_steps": PPO_EVERY, "keep_last": 5},
+        "logging": {"output_dir": str(output_dir), "progress_bar": False},
+    }
+    for key, value in overrides.items():
+        section, name = key.split("__")
+        config.setdefault(section, {})[name] = value
     path.write_text(json.dumps(config))
     return path
 

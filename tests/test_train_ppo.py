@@ -5,41 +5,18 @@ from __future__ import annotations
 import json
 import os
 import signal
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import faults, launch, metric_series, read_events, start_launched, wait_for_step
+from helpers import PPO_ITERATIONS, faults, launch, metric_series, read_events, start_launched, wait_for_step, write_ppo_config
 from transformers import AutoModelForCausalLM
 
 from engine.report import expected_plots
 from engine.run_logger import read_metrics
 
-ITERATIONS, EVERY = 30, 10
+ITERATIONS = PPO_ITERATIONS
 # Every per-iteration value that must repeat exactly after a resume (timings excluded).
 DETERMINISTIC = ("ppo/score", "ppo/kl", "ppo/pg_loss", "ppo/vf_loss", "ppo/entropy", "ppo/response_length", "ppo/kl_coef")
-
-
-def write_ppo_config(path: Path, tiny_model_dir: Path, rm_dir: Path, data: Path, output_dir: Path, **overrides) -> Path:
-    config = {
-        "actor": {"path": str(tiny_model_dir)},
-        "reward_model": {"path": str(rm_dir), "clip": 5.0},
-        "data": {"prompts": str(data / "prompts_train.parquet"), "eval_prompts": str(data / "prompts_validation.parquet")},
-        "deepspeed": "tiny_cpu_zero3.json",
-        "critic": {"init_from": "reward_model", "lr": 1e-4},
-        "rollout": {"sampler": "vllm", "prompts_per_iteration": 16, "samples_per_prompt": 4, "max_new_tokens": 24,
-                    "vllm_kv_cache_mb": 64, "vllm_max_model_len": 256},
-        "ppo": {"mini_batch_size": 32, "kl_coef": 0.02, "kl_target": 1.0, "kl_horizon": 2000},
-        "train": {"iterations": ITERATIONS, "eval_every": EVERY},
-        "optim": {"lr": 5e-4, "warmup_ratio": 0.0, "lr_scheduler": "constant_with_warmup"},
-        "checkpoint": {"every_steps": EVERY, "keep_last": 5},
-        "logging": {"output_dir": str(output_dir), "progress_bar": False},
-    }
-    for key, value in overrides.items():
-        section, name = key.split("__")
-        config.setdefault(section, {})[name] = value
-    path.write_text(json.dumps(config))
-    return path
 
 
 @pytest.fixture(scope="module")

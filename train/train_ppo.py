@@ -1,6 +1,6 @@
 """PPO on one hybrid ZeRO-3 engine with a colocated vLLM sampler.
 
-    deepspeed --num_gpus N train/train_ppo.py --config ds_configs/demo_ppo.json [--resume] [--section.key value ...]
+    deepspeed --num_gpus N train/train_ppo.py --config ds_configs/demo_ppo.json [--resume] [--dry-run] [--section.key value ...]
 
 Recipe: config -> process group -> four models as DeepSpeed engines in one group (actor and
 critic trained, reference and reward model frozen) -> sampler (vLLM, built after the engines)
@@ -40,6 +40,7 @@ from engine.deepspeed_glue import (
     training_ds_config,
 )
 from engine.distributed import shutdown_distributed
+from engine.dry_run import ppo_plan
 from engine.experience import Experience, map_micro_batches, pad_right, response_logprobs, response_values
 from engine.faults import eval_reward_offset, nan_loss_at
 from engine.guards import KLGuard, NonFiniteGuard, RollbackGuard, TrainingAborted, scale_learning_rate
@@ -130,6 +131,8 @@ def main() -> int:
         print(f"data error: {cfg.data.prompts}: {len(prompts)} prompts, fewer than rollout.prompts_per_iteration="
               f"{cfg.rollout.prompts_per_iteration}", file=sys.stderr)
         return 2
+    if run_args.dry_run:
+        return ppo_plan(cfg, prompts, eval_prompts, tokenizer, ds_config, world) if rank == 0 else 0
 
     # --- the hybrid engine: four models, one process group -------------------------------
     model_kw = dict(dtype=dtype, attn_implementation=cfg.actor.attn_implementation, trust_remote_code=cfg.actor.trust_remote_code)

@@ -1,6 +1,6 @@
 """Train a Bradley-Terry reward model on preference pairs.
 
-    deepspeed --num_gpus N train/train_rm.py --config ds_configs/demo_rm.json [--resume] [--section.key value ...]
+    deepspeed --num_gpus N train/train_rm.py --config ds_configs/demo_rm.json [--resume] [--dry-run] [--section.key value ...]
 
 Recipe: config -> process group -> tokenizer and data -> value model in a DeepSpeed engine ->
 loop (token-budget packed micro-batches, one optimizer step per ``pairs_per_step`` pairs,
@@ -31,6 +31,7 @@ from engine.checkpoint import (
 from engine.config import config_to_dict
 from engine.deepspeed_glue import initialize_training_engine, load_partitioned, save_hf_model, training_ds_config
 from engine.distributed import shutdown_distributed
+from engine.dry_run import rm_plan
 from engine.faults import nan_loss_at
 from engine.guards import NonFiniteGuard, TrainingAborted
 from engine.models import load_value_model
@@ -94,6 +95,8 @@ def main() -> int:
     total_steps = cfg.train.epochs * steps_per_epoch
     if cfg.train.max_steps:
         total_steps = min(total_steps, cfg.train.max_steps)
+    if run_args.dry_run:
+        return rm_plan(cfg, train, validation, ds_config, world) if rank == 0 else 0
 
     model, keep_alive = load_partitioned(
         lambda: load_value_model(

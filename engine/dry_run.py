@@ -1,0 +1,128 @@
+"""``--dry-run`` of the launched scripts: the plan of a run, without running it.
+
+Loads the config, the data and the tokenizer (not the weights: parameter counts come from the
+model configs, instantiated on the meta device), prints dataset statistics, the micro-batch
+plan, parameter counts and DeepSpeed's estimate of model-state memory for the configured ZeRO
+stage, and writes nothing. Needs no process group; the world size is the launcher's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+from engine.batching import plan_global, plan_micro_batches
+from engine.chat import prompt_ids
+from engine.deepspeed_glue import zero_stage
+from engine.models import value_model_config
+from engine.preference_data import epoch_order
+
+
+def size(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
+
+
+def length_stats(lengths: Sequence[int]) -> str:
+    p50, p90 = np.percentile(lengths, [50, 90])
+    return f"{len(lengths):,} items, tokens p50 {p50:.0f} / p90 {p90:.0f} / max {max(lengths)}"
+
+
+def parameter_counts(path: str, value_head: bool, components: Sequence[str] | None = None, trust_remote_code: bool = False) -> tuple[int, int]:
+    """``(total, largest layer)`` parameters of the model a script would load from ``path``."""
+    if value_head:
+        config, auto = value_model_config(path, components, trust_remote_code), AutoModelForTokenClassification
+    else:
+        config, auto = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(config, trust_remote_code=trust_remote_code)
+    total = sum(p.numel() for p in model.parameters())  # tied weights count once
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    return total, largest
+
+
+def trained_memory(total: int, largest: int, ds_config: dict[str, Any], world: int) -> str:
+    """DeepSpeed's estimate of a trained model's states (weights, gradients, Adam) per device and per node."""
+    stage, zero = zero_stage(ds_config), ds_config.get("zero_optimization", {})
+    offloaded = lambda key: zero.get(key, {}).get("device", "none") not in ("none", None)
+    if stage == 3:
+        cpu, device, _ = estimate_zero3_model_states_mem_needs(
+            total, largest, num_gpus_per_node=world, cpu_offload=offloaded("offload_optimizer"), cpu_offload_params=offloaded("offload_param")
+        )
+    else:
+        cpu, device = estimate_zero2_model_states_mem_needs(total, num_gpus_per_node=world, cpu_offload=offloaded("offload_optimizer"))
+    return f"ZeRO-{stage}, {world} rank(s): {size(device)} per device, {size(cpu)} CPU per node"
+
+
+def frozen_memory(total: int, ds_config: dict[str, Any], world: int, bf16: bool) -> str:
+    shards = world if zero_stage(ds_config) == 3 else 1
+    return f"{size(total * (2 if bf16 else 4) / shards)} weights per device"
+
+
+def print_models(models: list[tuple[str, str, bool, Sequence[str] | None, bool]], ds_config: dict[str, Any], world: int, cfg_model) -> None:
+    """models: (name, path, value_head, components, trained)."""
+    for name, path, value_head, components, trained in models:
+        total, largest = parameter_counts(path, value_head, components, cfg_model.trust_remote_code)
+        memory = trained_memory(total, largest, ds_config, world) if trained else frozen_memory(total, ds_config, world, cfg_model.bf16)
+        print(f"  {name:<12} {total:>15,} parameters ({'trained' if trained else 'frozen'}): {memory}")
+
+
+def rm_plan(cfg, train: list, validation: list, ds_config: dict[str, Any], world: int) -> int:
+    """The reward-model run: data, per-step micro-batch plan, parameters, memory."""
+    print(f"dry run of train_rm.py ({world} rank(s)); nothing is trained or written")
+    print(f"train pairs:      {length_stats([e.num_tokens for e in train])} (chosen + rejected)")
+    print(f"validation pairs: {length_stats([e.num_tokens for e in validation])}")
+    steps_per_epoch = math.ceil(len(train) / cfg.train.pairs_per_step)
+    total = cfg.train.epochs * steps_per_epoch if not cfg.train.max_steps else min(cfg.train.max_steps, cfg.train.epochs * steps_per_epoch)
+    print(f"schedule: {cfg.train.pairs_per_step} pairs per step, {steps_per_epoch} steps per epoch, {total} steps")
+    budget, size = cfg.train.max_tokens_per_micro_batch, cfg.train.pairs_per_step
+    epoch = [train[i].num_tokens for i in epoch_order(len(train), cfg.train.seed, 0)]  # the first epoch's steps
+    plans = [plan_global(epoch[start : start + size], budget, world) for start in range(0, len(epoch), size)]
+    counts = [len(plan[0]) for plan in plans]
+    fill = [sum(epoch[i] for i in micro) for micro in plans[0][0] if micro]
+    print(f"micro-batches (budget {budget} tokens, packed): {np.mean(counts):.1f} per step on average, max {max(counts)}; "
+          f"step 1 on rank 0: {fill} tokens")
+    print("models:")
+    print_models([("reward model", cfg.model.path, True, list(cfg.rm.components), True)], ds_config, world, cfg.model)
+    return 0
+
+
+def ppo_plan(cfg, prompts: list, eval_prompts: list, tokenizer, ds_config: dict[str, Any], world: int) -> int:
+    """The PPO run: prompts, rollout and update batch plan (worst-case lengths), parameters, memory."""
+    print(f"dry run of train_ppo.py ({world} rank(s)); nothing is trained or written")
+    lengths = [len(prompt_ids(tokenizer, p)) for p in prompts]
+    print(f"prompts:      {length_stats(lengths)}")
+    if eval_prompts:
+        print(f"eval prompts: {len(eval_prompts):,}")
+    r = cfg.rollout
+    longest = max(lengths) + r.max_new_tokens
+    too_long = sum(n + r.max_new_tokens > r.vllm_max_model_len for n in lengths)
+    per_iteration = r.prompts_per_iteration * r.samples_per_prompt
+    print(f"rollout: {r.prompts_per_iteration} prompts x {r.samples_per_prompt} samples = {per_iteration} sequences per iteration, "
+          f"{len(prompts) // r.prompts_per_iteration} iterations per pass over the prompts, {cfg.train.iterations} iterations")
+    if too_long:
+        print(f"warning: {too_long} prompt(s) + max_new_tokens exceed rollout.vllm_max_model_len={r.vllm_max_model_len}")
+    budget = cfg.ppo.max_tokens_per_micro_batch
+    worst = [n + r.max_new_tokens for n in sorted(lengths)[-per_iteration // world :]]  # this rank's longest possible share
+    mini = cfg.ppo.mini_batch_size // world
+    print(f"micro-batches (budget {budget} tokens, worst case: longest prompts + max_new_tokens, longest {longest}): "
+          f"{len(plan_micro_batches(worst, budget))} per experience forward, "
+          f"{len(plan_micro_batches(worst[-mini:], budget))} per mini-batch update; "
+          f"{cfg.ppo.ppo_epochs * per_iteration // cfg.ppo.mini_batch_size} optimizer steps per iteration per trained model")
+    components = None if cfg.critic.init_from == "reward_model" else ["value"]
+    critic_path = cfg.reward_model.path if cfg.critic.init_from == "reward_model" else cfg.actor.path
+    print("models:")
+    print_models([
+        ("actor", cfg.actor.path, False, None, True),
+        ("critic", critic_path, True, components, True),
+        ("reference", cfg.actor.path, False, None, False),
+        ("reward model", cfg.reward_model.path, True, None, False),
+    ], ds_config, world, cfg.actor)
+    if r.sampler == "vllm":
+        print(f"  vLLM sampler: full actor weights per rank + {r.vllm_kv_cache_mb} MiB KV cache")
+    return 0
