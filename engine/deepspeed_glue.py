@@ -32,6 +32,8 @@ def training_ds_config(ds_config: dict[str, Any], bf16: bool) -> dict[str, Any]:
     # a non-finite step is then discarded, which engine/guards.py counts.
     cfg["bf16"] = {"enabled": True, "check_grad_overflow": True} if bf16 else {"enabled": False}
     cfg.setdefault("gradient_clipping", 1.0)
+    if zero_stage(cfg) == 3:  # its default replaces torch.nn.functional.linear process-wide (slower on CPU)
+        cfg["zero_optimization"].setdefault("memory_efficient_linear", False)
     return cfg
 
 

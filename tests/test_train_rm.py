@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 
 from engine.models import load_value_model
 from engine.preference_data import load_preferences
+from engine.report import expected_plots
 from engine.reward_model import PairStats, score_pairs
 from engine.rm_losses import pair_losses
 from engine.run_logger import read_metrics
@@ -42,6 +43,24 @@ def test_reaches_high_validation_accuracy(one_rank):
     steps = read_metrics(str(root / "run" / "metrics.jsonl"))
     assert {"rm/loss", "rm/acc", "rm/margin", "rm/lr", "rm/grad_norm", "timing/tokens_per_s"} <= steps[0].keys()
     assert list((root / "run" / "tensorboard").iterdir()) and list((root / "run" / "wandb").iterdir())
+
+
+def test_run_directory_explains_itself(one_rank):
+    root, result = one_rank
+    run = root / "run"
+    config = json.loads((run / "config.json").read_text())  # resolved: defaults filled in
+    assert config["rm"]["components"] == COMPONENTS and config["guards"]["max_nonfinite_in_a_row"] == 5
+    assert f"report: {run}/report.html" in result.stdout
+    page = (run / "report.html").read_text()
+    assert expected_plots(str(run)) == ["loss.png", "accuracy.png", "margin.png", "lr_grad_norm.png", "throughput.png"]
+    for name in expected_plots(str(run)):
+        png = (run / "report" / name).read_bytes()
+        assert png.startswith(b"\x89PNG") and len(png) > 5000, name
+        assert f'src="report/{name}"' in page
+    metrics = read_metrics(str(run / "metrics.jsonl"))
+    train_keys = [{k for k in m if not k.startswith("eval/")} for m in metrics if "rm/loss" in m]
+    assert len(train_keys) == STEPS and all(keys == train_keys[0] for keys in train_keys)  # stable keys, a line per step
+    assert (run / "events.jsonl").read_text() == ""
 
 
 def test_saved_model_reloads_and_scores_identically(one_rank, rm_data):

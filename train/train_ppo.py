@@ -10,6 +10,7 @@ mini-batches -> sync the actor into vLLM -> log / evaluate / checkpoint -> HF ex
 
 from __future__ import annotations
 
+import engine.cpu_threads  # noqa: F401, I001 -- first: OpenMP's wait policy, before torch loads libgomp
 import os
 import sys
 import time

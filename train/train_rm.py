@@ -9,6 +9,7 @@ periodic evaluation and checkpoints) -> final evaluation -> HF model with reward
 
 from __future__ import annotations
 
+import engine.cpu_threads  # noqa: F401, I001 -- first: OpenMP's wait policy, before torch loads libgomp
 import math
 import os
 import sys
