@@ -8,7 +8,7 @@ on how the mini-batch was cut into micro-batches or spread over ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -107,3 +107,38 @@ def _means(sums: torch.Tensor, names: list[str]) -> dict[str, float]:
     torch.distributed.all_reduce(sums)
     tokens = max(sums[-1].item(), 1.0)
     return {name: sums[i].item() / tokens for i, name in enumerate(names)}
+
+
+def update_on_rollout(
+    actor,
+    critic,
+    exp: Experience,
+    settings: PolicyLossSettings,
+    value_weights: torch.Tensor,
+    ppo,  # the config's PPOSection
+    pad_id: int,
+    train_actor: bool,
+    seed: int,
+    poison: bool,
+    after_step: Callable[[str, object], None],
+) -> dict[str, float]:
+    """``ppo.ppo_epochs`` passes over this rank's rollout in shuffled mini-batches (the same
+    shuffle for a given ``seed``): a critic step, then an actor step unless ``train_actor`` is
+    false (critic warm-up). ``after_step(name, engine)`` runs after each optimizer step (the
+    non-finite guard). Returns each statistic's mean over the mini-batches."""
+    actor.train(), critic.train()
+    local_mb = ppo.mini_batch_size // torch.distributed.get_world_size()
+    generator = torch.Generator().manual_seed(seed)
+    stats: dict[str, list[float]] = {}
+    for _ in range(ppo.ppo_epochs):
+        perm = torch.randperm(len(exp.sequences), generator=generator).tolist()
+        for k in range(0, len(perm), local_mb):
+            mb = exp.select(perm[k : k + local_mb])
+            step_stats = critic_step(critic, mb, value_weights, ppo.value_clip, ppo.max_tokens_per_micro_batch, pad_id)
+            after_step("critic", critic)
+            if train_actor:
+                step_stats |= actor_step(actor, mb, settings, ppo.max_tokens_per_micro_batch, pad_id, poison)
+                after_step("actor", actor)
+            for key, value in step_stats.items():
+                stats.setdefault(key, []).append(value)
+    return {key: sum(values) / len(values) for key, values in stats.items()}

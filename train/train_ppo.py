@@ -10,7 +10,6 @@ mini-batches -> sync the actor into vLLM -> log / evaluate / checkpoint -> HF ex
 
 from __future__ import annotations
 
-import engine.cpu_threads  # noqa: F401, I001 -- first: OpenMP's wait policy, before torch loads libgomp
 import os
 import sys
 import time
@@ -22,6 +21,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+import engine.cpu_threads  # noqa: F401, I001 -- first: OpenMP's wait policy, before torch loads libgomp
 from engine.chat import prompt_ids
 from engine.checkpoint import (
     OutputDirError,
@@ -51,7 +51,7 @@ from engine.packing import packed_forward
 from engine.ppo_eval import HeldOutEvaluator
 from engine.ppo_losses import AdaptiveKLController, FixedKLController, gae, kl_penalty, masked_mean, token_rewards, whiten
 from engine.ppo_rewards import RewardScorer
-from engine.ppo_update import PolicyLossSettings, actor_step, critic_step
+from engine.ppo_update import PolicyLossSettings, update_on_rollout
 from engine.preference_data import epoch_order
 from engine.report import write_report
 from engine.run_config import PPOConfig
@@ -280,27 +280,16 @@ def main() -> int:
             samples, sample_msgs, actor_engine, critic_engine, ref_engine, scorer, value_weights, tokenizer, cfg, kl_ctl.value
         )
         t2 = time.perf_counter()
-        actor_engine.train(), critic_engine.train()
-        local_mb = cfg.ppo.mini_batch_size // world
-        perm_gen = torch.Generator().manual_seed(cfg.train.seed * 100_003 + iteration)
-        train_stats: dict[str, list[float]] = {}
-        poison = nan_loss_at(iteration + 1)
+        def guard_step(name: str, engine) -> None:
+            if nonfinite.update(engine.was_step_applied(), f"{name}, iteration {iteration + 1}"):
+                logger.event(iteration + 1, "nonfinite_skip", f"{name} step skipped: non-finite loss or gradient")
+
         try:
-            for _ in range(cfg.ppo.ppo_epochs):
-                perm = torch.randperm(len(samples), generator=perm_gen).tolist()
-                for k in range(0, len(samples), local_mb):
-                    mb = exp.select(perm[k : k + local_mb])
-                    stats = critic_step(critic_engine, mb, value_weights, cfg.ppo.value_clip, cfg.ppo.max_tokens_per_micro_batch,
-                                        tokenizer.pad_token_id)
-                    steps = [("critic", critic_engine)]
-                    if iteration >= cfg.critic.warmup_iterations:
-                        stats |= actor_step(actor_engine, mb, settings, cfg.ppo.max_tokens_per_micro_batch, tokenizer.pad_token_id, poison)
-                        steps.append(("actor", actor_engine))
-                    for name, engine in steps:
-                        if nonfinite.update(engine.was_step_applied(), f"{name}, iteration {iteration + 1}"):
-                            logger.event(iteration + 1, "nonfinite_skip", f"{name} step skipped: non-finite loss or gradient")
-                    for key, value in stats.items():
-                        train_stats.setdefault(key, []).append(value)
+            train_stats = update_on_rollout(
+                actor_engine, critic_engine, exp, settings, value_weights, cfg.ppo, tokenizer.pad_token_id,
+                train_actor=iteration >= cfg.critic.warmup_iterations, seed=cfg.train.seed * 100_003 + iteration,
+                poison=nan_loss_at(iteration + 1), after_step=guard_step,
+            )
         except TrainingAborted as e:
             logger.event(iteration + 1, "nonfinite_abort", str(e))
             return finish(3, f"training aborted: {e}")
@@ -321,7 +310,7 @@ def main() -> int:
         generated = torch.tensor([float(exp.mask.sum())])
         torch.distributed.all_reduce(generated)
         metrics = {f"ppo/{k}": v for k, v in rollout_stats.items()}
-        metrics |= {f"ppo/{k}": float(np.mean(v)) for k, v in train_stats.items()}
+        metrics |= {f"ppo/{k}": v for k, v in train_stats.items()}
         metrics |= {
             "ppo/kl_coef": kl_ctl.value, "ppo/actor_lr": actor_engine.get_lr()[0],
             "timing/generate_s": t1 - t0, "timing/make_experience_s": t2 - t1, "timing/train_s": t3 - t2,
