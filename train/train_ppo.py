@@ -10,6 +10,9 @@ mini-batches -> sync the actor into vLLM -> log / evaluate / checkpoint -> HF ex
 
 from __future__ import annotations
 
+import engine.cpu_threads  # noqa: F401 -- first: OpenMP's wait policy, before torch loads libgomp
+
+# isort: split
 import os
 import sys
 import time
@@ -21,7 +24,6 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-import engine.cpu_threads  # noqa: F401, I001 -- first: OpenMP's wait policy, before torch loads libgomp
 from engine.chat import prompt_ids
 from engine.checkpoint import (
     OutputDirError,

@@ -9,6 +9,9 @@ periodic evaluation and checkpoints) -> final evaluation -> HF model with reward
 
 from __future__ import annotations
 
+import engine.cpu_threads  # noqa: F401 -- first: OpenMP's wait policy, before torch loads libgomp
+
+# isort: split
 import math
 import os
 import sys
@@ -18,7 +21,6 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-import engine.cpu_threads  # noqa: F401, I001 -- first: OpenMP's wait policy, before torch loads libgomp
 from engine.batching import plan_global, token_mean_scale
 from engine.checkpoint import (
     OutputDirError,
