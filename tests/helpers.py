@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 from engine.run_logger import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -112,3 +114,8 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
             return
         time.sleep(0.05)
     raise TimeoutError(f"step {step} not reached")
+
+
+def workers(proc: subprocess.Popen) -> list[psutil.Process]:
+    """The training ranks of a launch (the launcher's children that carry ``--local_rank``)."""
+    return [p for p in psutil.Process(proc.pid).children(recursive=True) if any(a.startswith("--local_rank") for a in p.cmdline())]

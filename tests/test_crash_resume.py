@@ -10,21 +10,12 @@ import signal
 import subprocess
 from pathlib import Path
 
-import psutil
-from helpers import REPO, RM_STEPS, faults, launch, launcher_cmd, metric_series, start_launched, wait_for_step, write_rm_config
+from helpers import REPO, RM_STEPS, faults, launch, launcher_cmd, metric_series, start_launched, wait_for_step, workers, write_rm_config
 
 
 def straight_losses(rm_run) -> dict[int, float]:
     root, _ = rm_run
     return metric_series(root / "run", "rm/loss")
-
-
-def workers(proc: subprocess.Popen) -> list[psutil.Process]:
-    """The training ranks (not the launcher, whose command line names the script too)."""
-    return [
-        p for p in psutil.Process(proc.pid).children(recursive=True)
-        if "train_rm.py" in " ".join(p.cmdline()) and "deepspeed.launcher" not in " ".join(p.cmdline())
-    ]
 
 
 def assert_resume_matches(rm_run, config: Path, run_dir: Path, expect_from: int | None = None) -> int:

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 import torch
-from helpers import PPO_ITERATIONS, faults, launch, metric_series, read_events, start_launched, wait_for_step, write_ppo_config
+from helpers import PPO_ITERATIONS, faults, launch, metric_series, read_events, start_launched, wait_for_step, workers, write_ppo_config
 from transformers import AutoModelForCausalLM
 
 from engine.report import expected_plots
@@ -105,6 +105,22 @@ def test_sigkill_mid_iteration_and_during_a_checkpoint_write_then_identical_resu
         assert sorted(resumed) == list(range(1, ITERATIONS + 1)), key
         assert [resumed[i] for i in range(11, ITERATIONS + 1)] == [straight[i] for i in range(11, ITERATIONS + 1)], key
     assert metric_series(tmp_path / "run", "eval/win_rate") == metric_series(root / "run", "eval/win_rate")
+
+
+def test_sigterm_stops_with_a_checkpoint_and_a_report(tiny_model_dir, rm_run, rm_data, tmp_path):
+    rm_root, _ = rm_run
+    config = write_ppo_config(tmp_path / "ppo.json", tiny_model_dir, rm_root / "run" / "model", rm_data, tmp_path / "run",
+                              checkpoint__every_steps=0)
+    proc = start_launched("train_ppo.py", config)
+    wait_for_step(tmp_path / "run", 2, proc)
+    for worker in workers(proc):  # a preemption notice
+        worker.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-3000:]
+    stopped_at = int(output.split("stopped by SIGTERM after iteration ")[1].split(":")[0])
+    assert 2 <= stopped_at < ITERATIONS and "--resume" in output
+    assert (tmp_path / "run" / "checkpoints" / f"step{stopped_at:08d}" / "MANIFEST.json").exists()
+    assert (tmp_path / "run" / "report.html").exists() and not (tmp_path / "run" / "actor").exists()
 
 
 def test_nan_steps_are_skipped_and_a_reward_drop_rolls_back_once(tiny_model_dir, rm_run, rm_data, tmp_path):
