@@ -15,6 +15,7 @@ on resume) and the RNG states of python, numpy and torch, per rank, loaded with
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -31,6 +32,10 @@ from engine import faults
 MANIFEST = "MANIFEST.json"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step(\d{8})$")
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full...); nothing was renamed into place."""
 
 
 class ResumeError(RuntimeError):
@@ -66,12 +71,27 @@ def save_checkpoint(
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a save that crashed
     torch.distributed.barrier()
-    for name, engine in engines.items():
-        engine.save_checkpoint(tmp, tag=name, save_latest=False)
-    torch.save({**trainer_state, "rng": rng_state()}, os.path.join(tmp, f"trainer_state_rank{rank}.pt"))
+    error = None
+    try:
+        for name, engine in engines.items():
+            engine.save_checkpoint(tmp, tag=name, save_latest=False)
+        if faults.fail_checkpoint_write_at(step):
+            raise OSError(errno.ENOSPC, "No space left on device (injected by RLHF_FAULTS)")
+        torch.save({**trainer_state, "rng": rng_state()}, os.path.join(tmp, f"trainer_state_rank{rank}.pt"))
+    except OSError as e:  # disk full, quota, permissions: every rank must learn it before anyone renames
+        error = e
     if faults.kill_in_checkpoint_at(step):
         os.kill(os.getpid(), signal.SIGKILL)
-    torch.distributed.barrier()  # every rank's shards are on disk before the directory counts
+    failed = torch.tensor([int(error is not None)])
+    torch.distributed.all_reduce(failed)  # also the barrier: every rank's shards are on disk
+    if failed.item():
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        latest = latest_checkpoint(ckpt_root)
+        raise CheckpointWriteError(
+            f"could not write checkpoint {path} ({error or 'failed on another rank'}); "
+            + (f"the previous checkpoint {latest} is intact" if latest else "no earlier checkpoint exists")
+        )
     if rank == 0:
         _write_manifest(tmp)
         if os.path.isdir(path):  # the same step saved by an earlier, interrupted run

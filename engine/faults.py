@@ -7,7 +7,8 @@
 - ``eval_reward_offset``: ``{"<iteration>": offset}`` added to PPO's held-out reward there, the
   first time that iteration is evaluated (a rollback re-runs it without the fault);
 - ``kill_in_checkpoint_at``: the step whose checkpoint save is cut by SIGKILL after the engine
-  states are written and before the directory is renamed into place.
+  states are written and before the directory is renamed into place;
+- ``fail_checkpoint_write_at``: the step whose checkpoint save fails with "No space left on device".
 """
 
 from __future__ import annotations
@@ -51,3 +52,7 @@ def eval_reward_offset(iteration: int) -> float:
 
 def kill_in_checkpoint_at(step: int) -> bool:
     return _faults().get("kill_in_checkpoint_at") == step
+
+
+def fail_checkpoint_write_at(step: int) -> bool:
+    return _faults().get("fail_checkpoint_write_at") == step

@@ -66,6 +66,18 @@ def test_sigkill_during_a_checkpoint_write_leaves_the_previous_one_usable(rm_run
     assert not (checkpoints / "step00000040.tmp").exists()  # the resumed run saved step 40 over it
 
 
+def test_disk_full_at_save_time_is_a_clear_error_and_loses_nothing(tiny_model_dir, rm_data, tmp_path):
+    config = write_rm_config(tmp_path / "rm.json", tiny_model_dir, rm_data, tmp_path / "run", max_steps=45)
+    result = launch("train_rm.py", config, env=faults(fail_checkpoint_write_at=40), check=False)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert result.returncode != 0
+    assert (f"checkpoint error: could not write checkpoint {checkpoints}/step00000040 ([Errno 28] No space left on device"
+            in result.stderr), result.stderr[-2000:]
+    assert f"the previous checkpoint {checkpoints}/step00000020 is intact" in result.stderr
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step00000020"]  # no torn directory left
+    assert (tmp_path / "run" / "report.html").exists()
+
+
 def test_damaged_newest_checkpoint_is_skipped(rm_run, tmp_path):
     root, _ = rm_run
     run = tmp_path / "run"

@@ -26,6 +26,7 @@ from transformers import AutoTokenizer
 
 from engine.chat import prompt_ids
 from engine.checkpoint import (
+    CheckpointWriteError,
     OutputDirError,
     ResumeError,
     checkpoint_bytes,
@@ -349,7 +350,10 @@ def main() -> int:
         if (periodic or stopping or good) and iteration < iterations:
             if good:
                 run["last_good"] = os.path.join(ckpt_root, f"step{iteration:08d}")
-            path = save_checkpoint(ckpt_root, iteration, engines, trainer_state(), cfg.checkpoint.keep_last, keep=run["last_good"])
+            try:
+                path = save_checkpoint(ckpt_root, iteration, engines, trainer_state(), cfg.checkpoint.keep_last, keep=run["last_good"])
+            except CheckpointWriteError as e:
+                return finish(2, f"checkpoint error: {e}")
         if stopping:
             return finish(0, f"stopped by {stop.signal_name or 'a signal on another rank'} after iteration {iteration}: checkpoint "
                              f"{path}; continue with the same command plus --resume")

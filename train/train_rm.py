@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 
 from engine.batching import plan_global, token_mean_scale
 from engine.checkpoint import (
+    CheckpointWriteError,
     OutputDirError,
     ResumeError,
     checkpoint_bytes,
@@ -204,7 +205,11 @@ def main() -> int:
         periodic = cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0
         stopping = step < total_steps and stop.requested()
         if (periodic or stopping) and step < total_steps:
-            path = save_checkpoint(ckpt_root, step, {"model": engine}, {"step": step, "nonfinite": nonfinite.state_dict(), "run_identity": identity}, cfg.checkpoint.keep_last)
+            try:
+                path = save_checkpoint(ckpt_root, step, {"model": engine}, {"step": step, "nonfinite": nonfinite.state_dict(),
+                                       "run_identity": identity}, cfg.checkpoint.keep_last)
+            except CheckpointWriteError as e:
+                return finish(2, f"checkpoint error: {e}")
         if stopping:
             return finish(0, f"stopped by {stop.signal_name or 'a signal on another rank'} after step {step}: checkpoint {path}; "
                              "continue with the same command plus --resume")
