@@ -64,6 +64,14 @@ def response_logprobs(
     return list(logprobs.split(lengths)), entropy
 
 
+def sequence_logprobs(model, sequences: Sequence[list[int]], prompt_lens: Sequence[int], max_tokens: int, pad_token_id: int) -> list[torch.Tensor]:
+    """Each sequence's response-token log-probs under ``model`` (one (R_i,) tensor each), computed
+    in packed micro-batches of at most ``max_tokens``."""
+    return map_micro_batches(
+        sequences, max_tokens, pad_token_id, lambda packed, idx: response_logprobs(model, packed, [prompt_lens[i] for i in idx])[0]
+    )
+
+
 def response_values(output: torch.Tensor, packed, prompt_lens: Sequence[int], weights: torch.Tensor) -> list[torch.Tensor]:
     """Critic value of the state before each response token: (R,) per sequence.
 

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from engine.chat import prompt_ids
-from engine.experience import map_micro_batches, response_logprobs
+from engine.experience import sequence_logprobs
 from engine.monitors import repeated_ngrams
 from engine.ppo_rewards import RewardScorer
 from engine.sampler import Sample, SamplingSettings
@@ -70,10 +70,7 @@ class HeldOutEvaluator:
         """(n,) KL(policy || reference) of each response, summed over its tokens (k1 estimate)."""
         sequences = [s.prompt_ids + s.response_ids for s in samples]
         lens = [len(s.prompt_ids) for s in samples]
-        pad = self.tokenizer.pad_token_id
-        logprobs = lambda model: map_micro_batches(
-            sequences, self.max_tokens, pad, lambda packed, idx: response_logprobs(model, packed, [lens[i] for i in idx])[0]
-        )
+        logprobs = lambda model: sequence_logprobs(model, sequences, lens, self.max_tokens, self.tokenizer.pad_token_id)
         return torch.stack([(a - r).sum() for a, r in zip(logprobs(actor), logprobs(ref))]).double()
 
     def evaluate(self, sampler, actor, ref, sample_rows: int) -> tuple[dict[str, float], list[dict[str, Any]]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any
 
 
@@ -28,6 +29,7 @@ class RunLogger:
         self.tb = self.wandb_run = None
         if not enabled:
             return
+        self.output_dir = output_dir
         os.makedirs(output_dir, exist_ok=True)
         self.path = os.path.join(output_dir, "metrics.jsonl")
         with open(os.path.join(output_dir, "config.json"), "w") as f:  # the resolved config, for reports
@@ -89,6 +91,17 @@ class RunLogger:
             return
         with open(self.samples_path, "a") as f:
             f.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+
+    def finish(self, code: int, message: str) -> int:
+        """End of a run (done, stopped or aborted): close the sinks and, on rank 0, print
+        ``message`` (to stderr when ``code`` is an error) and write the HTML report. Returns ``code``."""
+        self.close()
+        if self.enabled:
+            from engine.report import write_report  # engine.report reads what this module writes
+
+            print(message, file=sys.stderr if code else sys.stdout)
+            print(f"report: {write_report(self.output_dir)}")
+        return code
 
     def close(self) -> None:
         if self.tb is not None:

@@ -45,7 +45,7 @@ from engine.deepspeed_glue import (
 )
 from engine.distributed import shutdown_distributed
 from engine.dry_run import ppo_plan
-from engine.experience import Experience, map_micro_batches, pad_right, response_logprobs, response_values
+from engine.experience import Experience, map_micro_batches, pad_right, response_values, sequence_logprobs
 from engine.faults import eval_reward_offset, nan_loss_at
 from engine.guards import KLGuard, NonFiniteGuard, RollbackGuard, TrainingAborted, scale_learning_rate
 from engine.models import load_causal_lm, load_value_model
@@ -56,7 +56,6 @@ from engine.ppo_losses import AdaptiveKLController, FixedKLController, gae, kl_p
 from engine.ppo_rewards import RewardScorer
 from engine.ppo_update import PolicyLossSettings, update_on_rollout
 from engine.preference_data import epoch_order
-from engine.report import write_report
 from engine.run_config import PPOConfig
 from engine.run_logger import RunLogger
 from engine.run_setup import GracefulStop, start_run
@@ -86,13 +85,11 @@ def make_experience(samples, prompt_msgs, actor, critic, ref, scorer, value_weig
     T = max(len(s.response_ids) for s in samples)
     mask = pad_right([torch.ones(len(s.response_ids), dtype=torch.bool) for s in samples], T)
     with torch.no_grad():
-        lens = lambda idx: [prompt_lens[i] for i in idx]
-        logprobs_of = lambda model: pad_right(
-            map_micro_batches(sequences, budget, pad, lambda p, idx: response_logprobs(model, p, lens(idx))[0]), T
-        )
+        logprobs_of = lambda model: pad_right(sequence_logprobs(model, sequences, prompt_lens, budget, pad), T)
         old_logprobs, ref_logprobs = logprobs_of(actor), logprobs_of(ref)
         values = pad_right(map_micro_batches(
-            sequences, budget, pad, lambda p, idx: response_values(packed_forward(critic, p), p, lens(idx), value_weights)
+            sequences, budget, pad,
+            lambda p, idx: response_values(packed_forward(critic, p), p, [prompt_lens[i] for i in idx], value_weights),
         ), T)
         texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
         scores, parts = scorer.score(prompt_msgs, texts, [s.finished for s in samples])
@@ -246,12 +243,7 @@ def main() -> int:
     def finish(code: int, message: str) -> int:
         bar.close()
         sampler.close()
-        logger.close()
-        if rank == 0:
-            print(message, file=sys.stderr if code else sys.stdout)
-            report = write_report(out)
-            print(f"report: {report}")
-        return code
+        return logger.finish(code, message)
 
     first_eval = held_out_eval(0) if evaluator and not resume_from else None
     if first_eval:

@@ -40,7 +40,6 @@ from engine.faults import nan_loss_at
 from engine.guards import NonFiniteGuard, TrainingAborted
 from engine.models import load_value_model
 from engine.preference_data import PreferenceExample, collate_pairs, epoch_order, load_preferences
-from engine.report import write_report
 from engine.reward_model import PairStats, dummy_forward_loss, evaluate_pairs, score_pairs
 from engine.rm_losses import pair_losses
 from engine.run_config import RewardModelConfig
@@ -164,11 +163,7 @@ def main() -> int:
 
     def finish(code: int, message: str) -> int:
         bar.close()
-        logger.close()
-        if rank == 0:
-            print(message, file=sys.stderr if code else sys.stdout)
-            print(f"report: {write_report(out)}")
-        return code
+        return logger.finish(code, message)
 
     stop = GracefulStop()
     while step < total_steps:
