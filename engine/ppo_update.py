@@ -56,7 +56,7 @@ def actor_step(
     sums = torch.zeros(5, dtype=torch.float64)  # pg_loss, clipped tokens, approx_kl, entropy, tokens
     for mb, packed in _micro_batches(engine, batch, max_tokens, pad_id):
         T = mb.mask.shape[1]
-        logprobs, entropy = response_logprobs(engine, packed, mb.prompt_lens, with_entropy=True)
+        logprobs, entropy = response_logprobs(engine, packed, mb.prompt_lens, with_entropy=True, entropy_grad=settings.entropy_coef != 0)
         logprobs, entropy = pad_right(logprobs, T), pad_right(entropy, T)  # (b, T) each
         if settings.clip_ratio_c is None:
             pg = clipped_policy_loss(logprobs, mb.old_logprobs, mb.advantages, settings.clip_low, settings.clip_high)
@@ -65,7 +65,7 @@ def actor_step(
                 logprobs, mb.old_logprobs, mb.advantages, settings.clip_low, settings.clip_high, settings.clip_ratio_c
             )
         mask = mb.mask.float()
-        per_token = pg.loss - settings.entropy_coef * entropy
+        per_token = pg.loss - settings.entropy_coef * entropy if settings.entropy_coef else pg.loss
         if settings.kl_loss_coef:
             per_token = per_token + settings.kl_loss_coef * kl_penalty(logprobs, mb.ref_logprobs, settings.kl_estimator)
         engine.backward((per_token * mask).sum() * (float("nan") if poison else scale))

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.batching import plan_micro_batches, token_mean_scale
+from engine.experience import response_logprobs
 from engine.models import load_causal_lm, load_value_model
 from engine.packing import (
     last_token,
@@ -63,6 +64,23 @@ def test_packed_logprobs_equal_padded(causal_lm):
     assert [g.shape[0] for g in got] == [n - 1 for n in LENGTHS]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+
+
+def test_response_logprobs_and_entropy(tiny_model_dir):
+    """Response-only LM head = the padded full log-probs on the response; the entropy joins the
+    graph only when asked (an entropy bonus), otherwise it is a detached metric."""
+    model = load_causal_lm(str(tiny_model_dir))
+    seqs, prompt_lens = make_sequences(LENGTHS[2:], model.config.vocab_size), [5, 1, 1, 3, 4]
+    packed = pack_sequences(seqs)
+    logprobs, entropy = response_logprobs(model, packed, prompt_lens, with_entropy=True)
+    with torch.no_grad():
+        want = padded_logprobs(model, seqs)
+    for got, w, p in zip(logprobs, want, prompt_lens):
+        torch.testing.assert_close(got, w[p - 1 :], atol=1e-5, rtol=0)
+    assert logprobs[0].requires_grad and not entropy[0].requires_grad
+    assert all((e > 0).all() and (e <= torch.log(torch.tensor(model.config.vocab_size)) + 1e-4).all() for e in entropy)
+    _, entropy = response_logprobs(model, packed, prompt_lens, with_entropy=True, entropy_grad=True)
+    assert entropy[0].requires_grad
 
 
 def test_packing_really_isolates_sequences(causal_lm):
