@@ -29,9 +29,9 @@ from engine.packing import pack_sequences, packed_forward
 PROMPTS_PER_ITERATION, NEW_TOKENS = 16, 64
 
 
-def timed(fn) -> float:
+def timed(fn, *args) -> float:
     start = time.perf_counter()
-    fn()
+    fn(*args)
     return time.perf_counter() - start
 
 
@@ -66,7 +66,7 @@ def main() -> int:
         prompt_lens = lengths[b * PROMPTS_PER_ITERATION : (b + 1) * PROMPTS_PER_ITERATION]
         packed = pack_sequences([torch.randint(4, vocab, (p + NEW_TOKENS,)).tolist() for p in prompt_lens])
         for key, fn in (("experience_s", experience), ("train_s", train)):
-            seconds = timed(lambda: fn(packed, prompt_lens))
+            seconds = timed(fn, packed, prompt_lens)
             if b:
                 times[key].append(seconds)
     print(json.dumps({key: statistics.median(v) for key, v in times.items()}))
