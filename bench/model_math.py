@@ -12,7 +12,9 @@ bench/ppo_vs_trl.py adds the sampling time to bound the speed-up over TRL any tr
 
 from __future__ import annotations
 
-import engine.cpu_threads  # noqa: F401  # isort: split  (same OpenMP settings as the training scripts)
+import engine.cpu_threads  # noqa: F401 -- first: the training scripts' OpenMP settings
+
+# isort: split
 
 import argparse
 import json
