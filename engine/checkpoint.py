@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from engine import faults
+from engine.distributed import all_reduce
 
 MANIFEST = "MANIFEST.json"
 LATEST = "latest"
@@ -43,13 +44,15 @@ class ResumeError(RuntimeError):
 
 
 def rng_state() -> dict[str, Any]:
-    """Python, numpy and torch RNG states as plain data (loadable with weights_only=True)."""
+    """Python, numpy and torch (CPU and, with a GPU, CUDA) RNG states as plain data (loadable
+    with weights_only=True)."""
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     return {
         "python": list(random.getstate()[1]),
         "python_version": random.getstate()[0],
         "numpy": [np_kind, torch.from_numpy(np_keys.astype(np.int64)), np_pos, np_has_gauss, np_gauss],
         "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
 
 
@@ -58,6 +61,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
     kind, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
+    if state.get("cuda") and torch.cuda.is_available():  # absent in checkpoints written on a CPU
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def save_checkpoint(
@@ -83,7 +88,7 @@ def save_checkpoint(
     if faults.kill_in_checkpoint_at(step):
         os.kill(os.getpid(), signal.SIGKILL)
     failed = torch.tensor([int(error is not None)])
-    torch.distributed.all_reduce(failed)  # also the barrier: every rank's shards are on disk
+    all_reduce(failed)  # also the barrier: every rank's shards are on disk
     if failed.item():
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -42,11 +42,23 @@ def _share_cpu_cores() -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
 
 
+def all_reduce(t: torch.Tensor, op=torch.distributed.ReduceOp.SUM, group=None) -> torch.Tensor:
+    """All-reduce a small CPU tensor (counts, metric sums) in place and return it.
+
+    NCCL reduces GPU tensors only: there the values travel through the rank's GPU and back.
+    """
+    if torch.distributed.get_backend(group) == "nccl":
+        on_gpu = t.to(torch.device("cuda", torch.cuda.current_device()))
+        torch.distributed.all_reduce(on_gpu, op=op, group=group)
+        t.copy_(on_gpu)
+    else:
+        torch.distributed.all_reduce(t, op=op, group=group)
+    return t
+
+
 def agree_max(value: int) -> int:
     """The largest ``value`` over all ranks (e.g. the micro-batch count every rank must run)."""
-    t = torch.tensor([value], dtype=torch.long)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return int(t.item())
+    return int(all_reduce(torch.tensor([value], dtype=torch.long), op=torch.distributed.ReduceOp.MAX).item())
 
 
 def shutdown_distributed() -> None:

@@ -53,16 +53,20 @@ def response_logprobs(
     """Log-prob (and policy entropy) of each response token: one (R_i,) tensor per sequence.
 
     The LM head runs on the response-predicting positions only; log p = logit[target] -
-    logsumexp(logits), in float32. The entropy is detached unless ``entropy_grad`` (an entropy
-    bonus): as a metric only, its backward would cost ~10% of the actor's forward + backward.
+    logsumexp(logits), in float32 on the model's device. The results come back on the CPU
+    (differentiably: a loss built from them backpropagates into the model). The entropy is
+    detached unless ``entropy_grad`` (an entropy bonus): as a metric only, its backward would
+    cost ~10% of the actor's forward + backward.
     """
     positions = response_positions(packed, prompt_lens)
-    logits = packed_forward(model, packed, logits_positions=positions)[0].float()  # (K, V)
-    targets = packed.input_ids[0, positions + 1]  # (K,)
+    logits = packed_forward(model, packed, logits_positions=positions)[0].float()  # (K, V), model's device
+    targets = packed.input_ids[0, positions + 1].to(logits.device)  # (K,)
     logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     lengths = [n - p for n, p in zip(packed.seq_lens, prompt_lens)]
-    entropy = list(entropy_from_logits(logits if entropy_grad else logits.detach()).split(lengths)) if with_entropy else None
-    return list(logprobs.split(lengths)), entropy
+    entropy = None
+    if with_entropy:
+        entropy = list(entropy_from_logits(logits if entropy_grad else logits.detach()).cpu().split(lengths))
+    return list(logprobs.cpu().split(lengths)), entropy
 
 
 def sequence_logprobs(model, sequences: Sequence[list[int]], prompt_lens: Sequence[int], max_tokens: int, pad_token_id: int) -> list[torch.Tensor]:

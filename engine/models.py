@@ -10,6 +10,7 @@ at every token.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Sequence
 
 import torch
@@ -17,13 +18,28 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 
 from engine.packing import VARLEN_SDPA  # importing it registers that attention implementation
 
+AUTO_ATTENTION = "auto"
+
+
+def resolve_attention(name: str, dtype: torch.dtype) -> str:
+    """``auto``: flash-attn's varlen kernel (``flash_attention_2``) on a GPU where flash-attn is
+    installed and the dtype is 16-bit, else ``sdpa_varlen``. Other names pass through."""
+    if name != AUTO_ATTENTION:
+        return name
+    gpu_flash = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+    return "flash_attention_2" if gpu_flash and dtype in (torch.bfloat16, torch.float16) else VARLEN_SDPA
+
 
 def load_causal_lm(
-    path: str, dtype: torch.dtype = torch.float32, attn_implementation: str = VARLEN_SDPA, trust_remote_code: bool = False
+    path: str, dtype: torch.dtype = torch.float32, attn_implementation: str = AUTO_ATTENTION, trust_remote_code: bool = False
 ) -> PreTrainedModel:
     """A causal LM from an HF checkpoint directory (or hub name); safetensors weights only."""
     return AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, use_safetensors=True
+        path,
+        dtype=dtype,
+        attn_implementation=resolve_attention(attn_implementation, dtype),
+        trust_remote_code=trust_remote_code,
+        use_safetensors=True,
     )
 
 
@@ -31,7 +47,7 @@ def load_value_model(
     path: str,
     components: Sequence[str] | None = None,
     dtype: torch.dtype = torch.float32,
-    attn_implementation: str = VARLEN_SDPA,
+    attn_implementation: str = AUTO_ATTENTION,
     trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     """Backbone + per-token ``Linear(hidden, len(components))`` from a causal-LM or value checkpoint.
@@ -43,7 +59,7 @@ def load_value_model(
         path,
         config=value_model_config(path, components, trust_remote_code),
         dtype=dtype,
-        attn_implementation=attn_implementation,
+        attn_implementation=resolve_attention(attn_implementation, dtype),
         trust_remote_code=trust_remote_code,
         use_safetensors=True,
     )

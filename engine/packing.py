@@ -123,7 +123,8 @@ def block_causal_mask(packed: PackedBatch, dtype: torch.dtype) -> torch.Tensor:
 
 
 def packed_forward(model: torch.nn.Module, packed: PackedBatch, logits_positions: torch.Tensor | None = None) -> torch.Tensor:
-    """Run ``model`` on a packed row; returns its ``logits`` (1, T, ...) for every token.
+    """Run ``model`` on a packed row; returns its ``logits`` (1, T, ...) for every token, on the
+    model's device (the inputs are moved there).
 
     Works for causal LMs (logits over the vocabulary) and token-classification value models
     (one score per component), bare or wrapped in a DeepSpeed engine. ``logits_positions``
@@ -139,28 +140,30 @@ def packed_forward(model: torch.nn.Module, packed: PackedBatch, logits_positions
         kwargs["cu_seq_lens_q"] = kwargs["cu_seq_lens_k"] = packed.cu_seq_lens
     elif attn not in POSITION_ID_PACKING:
         kwargs["attention_mask"] = block_causal_mask(packed, hf_model.dtype)
-    return model(**kwargs).logits
+    device = next(hf_model.parameters()).device  # ZeRO-3's partitioned placeholders live there too
+    return model(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}).logits
 
 
 def unpack(per_token: torch.Tensor, packed: PackedBatch) -> list[torch.Tensor]:
-    """(1, T, ...) -> one (L_i, ...) tensor per sequence, in packing order."""
-    return list(per_token[0, : packed.num_tokens].split(packed.seq_lens)) if packed.seq_lens else []
+    """(1, T, ...) -> one (L_i, ...) CPU tensor per sequence, in packing order."""
+    return list(per_token[0, : packed.num_tokens].cpu().split(packed.seq_lens)) if packed.seq_lens else []
 
 
 def last_token(per_token: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
-    """(1, T, ...) -> (N, ...): the value at each sequence's last token (a reward)."""
+    """(1, T, ...) -> (N, ...) on the CPU: the value at each sequence's last token (a reward)."""
     ends = torch.tensor([s + n - 1 for s, n in zip(packed.starts, packed.seq_lens)], dtype=torch.long)
-    return per_token[0, ends]
+    return per_token[0, ends.to(per_token.device)].cpu()
 
 
 def next_token_logprobs(logits: torch.Tensor, packed: PackedBatch) -> list[torch.Tensor]:
     """log p(token[t+1] | tokens[:t+1]) inside each sequence: one (L_i - 1,) tensor each.
 
     Computed as ``logit[target] - logsumexp(logits)`` in float32, without materialising the
-    full (T, V) log-softmax. The last position of a sequence predicts the next sequence's first
+    full (T, V) log-softmax; returned on the CPU. The last position of a sequence predicts the next sequence's first
     token and is dropped.
     """
     logits = logits[0].float()  # (T, V)
-    targets = packed.input_ids[0, 1:]  # (T - 1,)
+    targets = packed.input_ids[0, 1:].to(logits.device)  # (T - 1,)
     token_logprobs = logits[:-1].gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits[:-1], dim=-1)
+    token_logprobs = token_logprobs.cpu()
     return [token_logprobs[s : s + n - 1] for s, n in zip(packed.starts, packed.seq_lens)]

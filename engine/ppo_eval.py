@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from engine.chat import prompt_ids
+from engine.distributed import all_reduce
 from engine.experience import sequence_logprobs
 from engine.monitors import repeated_ngrams
 from engine.ppo_rewards import RewardScorer
@@ -86,7 +87,7 @@ class HeldOutEvaluator:
             win_scores(sampled.rewards, ref.rewards).sum(), kl.sum(), sampled.lengths.sum(), greedy.lengths.sum(),
             ref.lengths.sum(), float(repeated), float(total),
         ], dtype=torch.float64)
-        torch.distributed.all_reduce(sums)
+        all_reduce(sums)
         n, reward, greedy_reward, ref_reward, wins, kl_sum, length, greedy_length, ref_length, repeated, total = sums.tolist()
         metrics = {
             "reward": reward / n, "reward_greedy": greedy_reward / n, "ref_reward": ref_reward / n, "win_rate": wins / n,

@@ -11,6 +11,8 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from engine.distributed import all_reduce
+
 KLEstimator = Literal["k1", "k2", "k3"]
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps exp() finite when policies drift apart
 
@@ -82,7 +84,7 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, group=None, eps: float = 1e-8) -
     mask_f = mask.to(torch.float64)
     sums = torch.stack([(x.double() * mask_f).sum(), (x.double() ** 2 * mask_f).sum(), mask_f.sum()])
     if group is not None:
-        torch.distributed.all_reduce(sums, group=group)
+        all_reduce(sums, group=group)
     mean = sums[0] / sums[2]
     var = sums[1] / sums[2] - mean**2
     return ((x - mean.to(x.dtype)) * torch.rsqrt(var.to(x.dtype) + eps)) * mask

@@ -13,6 +13,7 @@ from typing import Callable, Iterator
 import torch
 
 from engine.batching import token_mean_scale
+from engine.distributed import all_reduce
 from engine.experience import Experience, packed_micro_batches, pad_right, response_logprobs, response_values
 from engine.packing import PackedBatch, pack_sequences, packed_forward
 from engine.ppo_losses import clipped_policy_loss, clipped_value_loss, dual_clip_policy_loss, kl_penalty
@@ -42,7 +43,7 @@ def _micro_batches(engine, batch: Experience, max_tokens: int, pad_id: int) -> I
 
 def global_token_count(mask: torch.Tensor) -> int:
     count = mask.sum().reshape(1).long()
-    torch.distributed.all_reduce(count)
+    all_reduce(count)
     return int(count.item())
 
 
@@ -104,7 +105,7 @@ def critic_step(
 
 def _means(sums: torch.Tensor, names: list[str]) -> dict[str, float]:
     """Token-means over all ranks: the last entry of ``sums`` is the token count."""
-    torch.distributed.all_reduce(sums)
+    all_reduce(sums)
     tokens = max(sums[-1].item(), 1.0)
     return {name: sums[i].item() / tokens for i, name in enumerate(names)}
 

@@ -7,6 +7,7 @@ from typing import Sequence
 import torch
 
 from engine.batching import plan_global
+from engine.distributed import all_reduce
 from engine.packing import last_token, pack_sequences, packed_forward
 from engine.preference_data import PreferenceExample, collate_pairs
 from engine.rm_losses import PairLosses, pair_losses, weighted_total
@@ -75,7 +76,7 @@ class PairStats:
     def reduce(self) -> dict[str, float]:
         sums = self.sums.clone()
         if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(sums)
+            all_reduce(sums)
         pairs = max(sums[0].item(), 1.0)
         mean = sums[5].item() / (2 * pairs)
         metrics = {

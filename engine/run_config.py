@@ -12,7 +12,9 @@ from engine.config import ConfigError, option, required, section
 @dataclass
 class ModelSection:
     path: str = required("HF checkpoint directory (or hub name) of the base model")
-    attn_implementation: str = option("sdpa_varlen", "attention: sdpa_varlen (CPU packing), flash_attention_2 (GPU), sdpa, eager")
+    attn_implementation: str = option(
+        "auto", "attention: auto (flash_attention_2 on a GPU with flash-attn and bf16, else sdpa_varlen), sdpa_varlen, flash_attention_2, sdpa, eager"
+    )
     bf16: bool = option(False, "train in bf16 (DeepSpeed bf16 section is set to match)")
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
     trust_remote_code: bool = option(False, "allow custom modelling code from the checkpoint")
@@ -141,8 +143,14 @@ class RolloutSection:
     temperature: float = option(1.0, "sampling temperature")
     top_p: float = option(1.0, "nucleus sampling threshold")
     max_new_tokens: int = option(64, "response length limit")
-    vllm_kv_cache_mb: int = option(128, "vLLM KV-cache size per rank")
+    vllm_kv_cache_mb: int = option(128, "CPU: vLLM KV-cache size per rank")
     vllm_max_model_len: int = option(1024, "vLLM context length (prompt + response)")
+    vllm_gpu_memory_utilization: float = option(0.4, "GPU: share of the GPU's memory vLLM may take (weights + KV cache)")
+    vllm_sleep: bool = option(True, "GPU: vLLM sleeps (weights to CPU, KV cache freed) from each rollout until the next sync")
+
+    def __post_init__(self):
+        if not 0 < self.vllm_gpu_memory_utilization < 1:
+            raise ConfigError(f"'vllm_gpu_memory_utilization' must be in (0, 1), got {self.vllm_gpu_memory_utilization}")
 
 
 @dataclass

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from engine.config import ConfigError, load_config
-from engine.distributed import init_distributed
+from engine.distributed import all_reduce, init_distributed
 
 T = TypeVar("T")
 
@@ -73,5 +73,5 @@ class GracefulStop:
 
     def requested(self) -> bool:
         flag = torch.tensor([int(self.signal_name is not None)])
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item())

