@@ -1,4 +1,5 @@
-"""OpenMP's wait policy for CPU runs; the launched scripts import this before torch loads.
+"""OpenMP settings for CPU runs: the wait policy (set on import, before torch loads) and
+OpenMP teams confined to the main thread (:func:`confine_openmp_to_this_thread`).
 
 Gloo runs parts of ZeRO-3's all-gathers and reduce-scatters on its own threads, and torch
 starts an OpenMP team on each of them. Once libgomp manages more threads than there are cores
@@ -12,6 +13,7 @@ data and sampler threads need) and only when the user did not choose a policy.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import sys
@@ -25,3 +27,43 @@ def prefer_spinning_openmp_workers() -> None:
 
 
 prefer_spinning_openmp_workers()
+
+
+def confine_openmp_to_this_thread() -> None:
+    """Keep this thread's OpenMP/MKL thread count and give every thread started later one.
+
+    torch applies its global thread count to a thread at that thread's first parallel
+    operation, gloo's runloop threads included; their teams take libgomp over the core count
+    into throttled mode. Here the global count becomes 1 and this (the main) thread keeps its
+    own through libgomp's and MKL's per-thread calls, so only the main thread's team exists.
+    Call it on CPU runs before the first collective and again after anything that sets the
+    global count (vLLM's start). With a torch built without libgomp or MKL nothing changes.
+    """
+    import torch
+
+    n = torch.get_num_threads()  # also completes this thread's lazy thread-pool set-up
+    gomp, torch_cpu = _loaded_library("libgomp.so.1"), _loaded_library("libtorch_cpu.so")
+    if n == 1 or gomp is None or torch_cpu is None:
+        return
+    try:
+        omp_set_num_threads = ctypes.CDLL(gomp).omp_set_num_threads
+        mkl_set_num_threads_local = getattr(ctypes.CDLL(torch_cpu), "mkl_set_num_threads_local", None)
+    except OSError:
+        return
+    torch.set_num_threads(1)
+    omp_set_num_threads(n)
+    if mkl_set_num_threads_local is not None:  # MKL's per-thread count takes a pointer (Fortran-style entry)
+        mkl_set_num_threads_local(ctypes.byref(ctypes.c_int(n)))
+    if torch.get_num_threads() != n:  # not the OpenMP that torch uses: undo
+        torch.set_num_threads(n)
+
+
+def _loaded_library(name: str) -> str | None:
+    """Path of the shared library ``name`` this process has loaded (Linux), else None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if line.rstrip().endswith(name)}
+    except OSError:
+        return None
+    return next((p for p in paths if os.path.basename(p) == name), None)
+

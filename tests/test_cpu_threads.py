@@ -27,3 +27,27 @@ def test_active_wait_policy_on_cpu_unless_the_user_chose_one():
                                        check=True).stdout.strip()
     assert run({}) == "ACTIVE"
     assert run({"OMP_WAIT_POLICY": "PASSIVE"}) == "PASSIVE"
+
+
+PROBE_CONFINED = """
+import ctypes, threading, torch
+from engine.cpu_threads import _loaded_library, confine_openmp_to_this_thread
+torch.set_num_threads(2)
+confine_openmp_to_this_thread()
+seen = []
+def worker():  # a thread started later, like gloo's: its first parallel op adopts the global count
+    torch.ones(1 << 20).add_(1)
+    seen.append(torch.get_num_threads())
+t = threading.Thread(target=worker)
+t.start(); t.join()
+mkl = ctypes.CDLL(_loaded_library("libtorch_cpu.so")).mkl_get_max_threads()
+print(torch.get_num_threads(), seen[0], mkl)
+"""
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores")
+def test_openmp_teams_stay_on_the_main_thread():
+    """The main thread keeps 2 OpenMP and MKL threads; a thread started later gets 1, so
+    libgomp never manages more threads than cores (no throttled spinning)."""
+    out = subprocess.run([sys.executable, "-c", PROBE_CONFINED], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.split() == ["2", "1", "2"]
