@@ -66,4 +66,3 @@ def _loaded_library(name: str) -> str | None:
     except OSError:
         return None
     return next((p for p in paths if os.path.basename(p) == name), None)
-

@@ -145,7 +145,9 @@ class RolloutSection:
     max_new_tokens: int = option(64, "response length limit")
     vllm_kv_cache_mb: int = option(128, "CPU: vLLM KV-cache size per rank")
     vllm_max_model_len: int = option(1024, "vLLM context length (prompt + response)")
-    vllm_gpu_memory_utilization: float = option(0.4, "GPU: share of the GPU's memory vLLM may take (weights + KV cache)")
+    vllm_gpu_memory_utilization: float = option(
+        0.4, "GPU: share of the GPU's memory vLLM takes (weights + KV cache); it must be free when vLLM starts, after the engines"
+    )
     vllm_sleep: bool = option(True, "GPU: vLLM sleeps (weights to CPU, KV cache freed) from each rollout until the next sync")
 
     def __post_init__(self):
