@@ -5,6 +5,7 @@
 #    gradients reach the GPU weights, NCCL reduces CPU tensors, HF generate on cuda, RNG state.
 # 2. train_rm.py (bf16, ZeRO-3) and train_ppo.py (bf16, ZeRO-3, HF sampler) under the deepspeed
 #    launcher, then a PPO resume from the iteration-3 checkpoint compared with the straight run.
+# Logs and metrics land in $OUT (6 files), which the device tool brings back.
 set -euo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -15,17 +16,19 @@ nvidia-smi -L; python3 -c "import torch, deepspeed, transformers; print('torch',
 python3 -m data_prep.synthetic_task --out $w/pairs.jsonl --num-pairs 2000 --seed 0
 python3 -m data_prep.make_tiny_model --text $w/pairs.jsonl --out $w/tiny --seed 0
 python3 -m data_prep.prepare_preferences --input $w/pairs.jsonl --tokenizer $w/tiny --out $w/data --seed 0
-python3 tests/gpu/device_checks.py $w/tiny 2>&1 | tee $out/device_checks.log
+# A failed check is reported and the runs still go ahead: one device run should say as much as it can.
+python3 tests/gpu/device_checks.py $w/tiny 2>&1 | tee $out/device_checks.log || echo "device checks: FAILURES (above)"
 
 common=(--deepspeed zero3.json --logging.wandb false --logging.tensorboard false --logging.progress_bar false)
 "${launcher[@]}" train/train_rm.py --config ds_configs/demo_rm.json --model.path $w/tiny --model.bf16 true \
-    --data.train $w/data/train.parquet --data.validation $w/data/validation.parquet --logging.output_dir $w/rm "${common[@]}"
+    --data.train $w/data/train.parquet --data.validation $w/data/validation.parquet --logging.output_dir $w/rm "${common[@]}" \
+    2>&1 | tee $out/rm.log | tail -5
 ppo=(train/train_ppo.py --config ds_configs/demo_ppo.json --actor.path $w/tiny --actor.bf16 true --reward_model.path $w/rm/model
      --data.prompts $w/data/prompts_train.parquet --data.eval_prompts $w/data/prompts_validation.parquet
      --rollout.sampler hf --train.iterations 6 --train.eval_every 3 --checkpoint.every_steps 3 "${common[@]}")
-"${launcher[@]}" "${ppo[@]}" --logging.output_dir $w/ppo
+"${launcher[@]}" "${ppo[@]}" --logging.output_dir $w/ppo 2>&1 | tee $out/ppo.log | tail -5
 cp -r $w/ppo $w/ppo_resumed  # holds checkpoints/step00000003; the resume rewinds the logs to it
-"${launcher[@]}" "${ppo[@]}" --logging.output_dir $w/ppo_resumed --resume
+"${launcher[@]}" "${ppo[@]}" --logging.output_dir $w/ppo_resumed --resume 2>&1 | tee $out/ppo_resumed.log | tail -5
 cp $w/rm/metrics.jsonl $out/rm_metrics.jsonl; cp $w/ppo/metrics.jsonl $out/ppo_metrics.jsonl
 python3 - $w/ppo/metrics.jsonl $w/ppo_resumed/metrics.jsonl <<'PY'
 import json, sys
