@@ -62,7 +62,6 @@ def _loaded_library(name: str) -> str | None:
     """Path of the shared library ``name`` this process has loaded (Linux), else None."""
     try:
         with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if line.rstrip().endswith(name)}
+            return next((path for line in maps if os.path.basename(path := line.split()[-1]) == name), None)
     except OSError:
         return None
-    return next((p for p in paths if os.path.basename(p) == name), None)

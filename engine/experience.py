@@ -13,7 +13,7 @@ import torch
 
 from engine.batching import plan_micro_batches
 from engine.distributed import agree_max
-from engine.packing import PackedBatch, pack_sequences, packed_forward, unpack
+from engine.packing import PackedBatch, pack_sequences, packed_forward, target_logprobs, unpack
 from engine.ppo_losses import entropy_from_logits
 
 
@@ -52,16 +52,15 @@ def response_logprobs(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Log-prob (and policy entropy) of each response token: one (R_i,) tensor per sequence.
 
-    The LM head runs on the response-predicting positions only; log p = logit[target] -
-    logsumexp(logits), in float32 on the model's device. The results come back on the CPU
-    (differentiably: a loss built from them backpropagates into the model). The entropy is
-    detached unless ``entropy_grad`` (an entropy bonus): as a metric only, its backward would
-    cost ~10% of the actor's forward + backward.
+    The LM head runs on the response-predicting positions only; log p is computed in float32
+    on the model's device (:func:`engine.packing.target_logprobs`). The results come back on
+    the CPU (differentiably: a loss built from them backpropagates into the model). The
+    entropy is detached unless ``entropy_grad`` (an entropy bonus): as a metric only, its
+    backward would cost ~10% of the actor's forward + backward.
     """
     positions = response_positions(packed, prompt_lens)
-    logits = packed_forward(model, packed, logits_positions=positions)[0].float()  # (K, V), model's device
-    targets = packed.input_ids[0, positions + 1].to(logits.device)  # (K,)
-    logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    logits = packed_forward(model, packed, logits_positions=positions)[0]  # (K, V), model's device
+    logprobs = target_logprobs(logits, packed.input_ids[0, positions + 1])  # (K,)
     lengths = [n - p for n, p in zip(packed.seq_lens, prompt_lens)]
     entropy = None
     if with_entropy:

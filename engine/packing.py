@@ -155,15 +155,17 @@ def last_token(per_token: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
     return per_token[0, ends.to(per_token.device)].cpu()
 
 
-def next_token_logprobs(logits: torch.Tensor, packed: PackedBatch) -> list[torch.Tensor]:
-    """log p(token[t+1] | tokens[:t+1]) inside each sequence: one (L_i - 1,) tensor each.
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(K, V) logits, (K,) token ids -> (K,) log p(target) = logit[target] - logsumexp(logits),
+    in float32, without materialising the full (K, V) log-softmax."""
+    logits = logits.float()
+    return logits.gather(-1, targets.to(logits.device)[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
-    Computed as ``logit[target] - logsumexp(logits)`` in float32, without materialising the
-    full (T, V) log-softmax; returned on the CPU. The last position of a sequence predicts the next sequence's first
-    token and is dropped.
+
+def next_token_logprobs(logits: torch.Tensor, packed: PackedBatch) -> list[torch.Tensor]:
+    """log p(token[t+1] | tokens[:t+1]) inside each sequence: one (L_i - 1,) CPU tensor each.
+
+    The last position of a sequence predicts the next sequence's first token and is dropped.
     """
-    logits = logits[0].float()  # (T, V)
-    targets = packed.input_ids[0, 1:].to(logits.device)  # (T - 1,)
-    token_logprobs = logits[:-1].gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits[:-1], dim=-1)
-    token_logprobs = token_logprobs.cpu()
+    token_logprobs = target_logprobs(logits[0, :-1], packed.input_ids[0, 1:]).cpu()  # (T - 1,)
     return [token_logprobs[s : s + n - 1] for s, n in zip(packed.starts, packed.seq_lens)]
