@@ -25,10 +25,10 @@ import torch.nn.functional as F
 
 from data_prep import make_tiny_model
 from data_prep.prepare_preferences import Tally, read_pairs
-from engine.batching import plan_micro_batches
-from engine.chat import tokenize_pairs
-from engine.models import load_value_model
-from engine.packing import last_token, pack_sequences, packed_forward
+from engine.data.batching import plan_micro_batches
+from engine.data.chat import tokenize_pairs
+from engine.data.packing import last_token, pack_sequences, packed_forward
+from engine.runtime.models import load_value_model
 
 HH = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
 MAX_LENGTH = 512

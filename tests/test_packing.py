@@ -6,16 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.batching import plan_micro_batches, token_mean_scale
-from engine.experience import response_logprobs
-from engine.models import load_causal_lm, load_value_model, resolve_attention
-from engine.packing import (
-    last_token,
-    next_token_logprobs,
-    pack_sequences,
-    packed_forward,
-    unpack,
-)
+from engine.data.batching import plan_micro_batches, token_mean_scale
+from engine.data.packing import block_causal_mask, last_token, next_token_logprobs, pack_sequences, packed_forward, unpack
+from engine.ppo.experience import response_logprobs
+from engine.runtime.models import load_causal_lm, load_value_model, resolve_attention
 
 LENGTHS = [7, 1, 23, 12, 2, 30, 9]
 ATTENTION = ["sdpa_varlen", "sdpa", "eager"]
@@ -95,12 +89,20 @@ def test_packing_really_isolates_sequences(causal_lm):
 
 
 def test_explicit_mask_fallback_equals_position_id_packing(causal_lm, monkeypatch):
+    """The explicit block-diagonal mask (the branch for attention implementations packing does not
+    know) gives what each implementation's own packing gives."""
     seqs = make_sequences(LENGTHS, causal_lm.config.vocab_size)
     packed = pack_sequences(seqs)
+    masks = []
+    monkeypatch.setattr("engine.data.packing.block_causal_mask", lambda *a: masks.append(block_causal_mask(*a)) or masks[-1])
     with torch.no_grad():
         by_positions = packed_forward(causal_lm, packed)
-        monkeypatch.setattr("engine.packing.POSITION_ID_PACKING", ())
+        assert masks == []
+        # Treat this implementation as unknown: sdpa_varlen then runs as plain sdpa with the mask.
+        monkeypatch.setattr("engine.data.packing.POSITION_ID_PACKING", ())
+        monkeypatch.setattr("engine.data.packing.VARLEN_SDPA", "not-this-one")
         by_mask = packed_forward(causal_lm, packed)
+    assert len(masks) == 1 and masks[0].shape == (1, 1, sum(LENGTHS), sum(LENGTHS))
     torch.testing.assert_close(by_mask, by_positions, atol=1e-5, rtol=0)
 
 

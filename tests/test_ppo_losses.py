@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine.ppo_losses import (
+from engine.ppo.losses import (
     AdaptiveKLController,
     FixedKLController,
     clipped_policy_loss,

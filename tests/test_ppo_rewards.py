@@ -6,24 +6,15 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from engine.models import load_value_model
-from engine.ppo_rewards import RewardScorer, load_rule
+from engine.ppo.rewards import RewardScorer, load_rule
+from engine.runtime.models import load_value_model
 
 
 def shouting_rule(prompt: list[dict[str, str]], response: str) -> float:
     """A rule for the test: 1 when the response ends with '!'."""
     return float(response.endswith("!"))
-
-
-@pytest.fixture(scope="module")
-def process_group(tmp_path_factory):
-    # map_micro_batches agrees micro-batch counts over ranks: a one-process gloo group is enough here.
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg') / 'store'}", rank=0, world_size=1)
-    yield
 
 
 def test_load_rule():

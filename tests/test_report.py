@@ -1,4 +1,4 @@
-"""engine.report on small synthetic RM and PPO run dirs (no training, a few seconds)."""
+"""engine.observe.report on small synthetic RM and PPO run dirs (no training, a few seconds)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from engine import report
+from engine.observe import report
 
 STEPS, EVAL_EVERY = 12, 4
 COMPONENTS = ("helpful", "harmless")

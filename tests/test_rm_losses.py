@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine.rm_losses import bradley_terry_loss, centering_loss, pair_losses, weighted_total
+from engine.rm.losses import bradley_terry_loss, centering_loss, pair_losses, weighted_total
 
 
 def test_bradley_terry_by_hand():

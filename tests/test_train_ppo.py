@@ -11,8 +11,8 @@ import torch
 from helpers import PPO_ITERATIONS, faults, launch, metric_series, read_events, start_launched, wait_for_step, workers, write_ppo_config
 from transformers import AutoModelForCausalLM
 
-from engine.report import expected_plots
-from engine.run_logger import read_metrics
+from engine.observe.records import read_records
+from engine.observe.report import expected_plots
 
 ITERATIONS = PPO_ITERATIONS
 # Every per-iteration value that must repeat exactly after a resume (timings excluded).
@@ -56,12 +56,12 @@ def test_report_renders_every_plot_with_stable_metric_keys(ppo_run):
         png = (run / "report" / name).read_bytes()
         assert png.startswith(b"\x89PNG") and len(png) > 5000, name
         assert f'src="report/{name}"' in page
-    metrics = read_metrics(str(run / "metrics.jsonl"))
+    metrics = read_records(str(run / "metrics.jsonl"))
     keys = lambda step: {k for k in metrics[step] if not k.startswith("eval/")}
     assert all(keys(i) == keys(1) for i in range(1, ITERATIONS + 1))
     eval_keys = [{k for k in m if k.startswith("eval/")} for m in metrics if "eval/reward" in m]
     assert len(eval_keys) == 4 and all(k == eval_keys[0] for k in eval_keys)
-    samples = read_metrics(str(run / "samples.jsonl"))
+    samples = read_records(str(run / "samples.jsonl"))
     assert sorted({s["step"] for s in samples}) == [0, 10, 20, 30]
     assert {"prompt", "response", "reward", "kl", "ref_response", "ref_reward"} <= samples[0].keys()
     assert samples[0]["response"] in page or samples[-1]["response"][:20] in page
@@ -71,10 +71,21 @@ def test_sampler_stays_in_sync_with_the_actor(ppo_run):
     root, _ = ppo_run
     gap = metric_series(root / "run", "ppo/sampler_logprob_gap")
     assert max(gap.values()) < 1e-4  # fp32: vLLM's log-probs are the actor's after every sync
-    metrics = read_metrics(str(root / "run" / "metrics.jsonl"))
+    metrics = read_records(str(root / "run" / "metrics.jsonl"))
     keys = {k for m in metrics if m["step"] == 1 for k in m}
     assert {"ppo/pg_loss", "ppo/vf_loss", "ppo/clipfrac", "ppo/approx_kl", "ppo/entropy", "ppo/rm_helpful", "ppo/rm_harmless",
             "timing/generate_s", "timing/sync_s", "timing/make_experience_s", "timing/train_s", "timing/generated_tokens_per_s"} <= keys
+
+
+def test_a_fresh_run_into_the_finished_run_is_refused_before_models_load(ppo_run):
+    root, _ = ppo_run
+    run = root / "run"
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    refused = launch("train_ppo.py", root / "ppo.json", check=False)
+    assert refused.returncode != 0
+    assert f"output error: {run} already holds a run (metrics.jsonl" in refused.stderr and "actor" in refused.stderr
+    assert "train_ppo:" not in refused.stdout  # refused before the engines were built
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
 
 
 def test_exported_actor_loads_and_differs_from_the_start(ppo_run, tiny_model_dir):
@@ -141,7 +152,7 @@ def test_nan_steps_are_skipped_and_a_reward_drop_rolls_back_once(tiny_model_dir,
     assert (run / "actor" / "model.safetensors").exists()
 
 
-def test_two_ranks_hf_sampler_and_dual_clip(tiny_model_dir, rm_run, rm_data, tmp_path):
+def test_two_ranks_vllm_with_a_checkpoint_each_iteration(tiny_model_dir, rm_run, rm_data, tmp_path):
     rm_root, _ = rm_run
     config = write_ppo_config(tmp_path / "ppo.json", tiny_model_dir, rm_root / "run" / "model", rm_data, tmp_path / "run",
                               train__iterations=2, train__eval_every=0, checkpoint__every_steps=1)
@@ -149,15 +160,32 @@ def test_two_ranks_hf_sampler_and_dual_clip(tiny_model_dir, rm_run, rm_data, tmp
     assert len(metric_series(tmp_path / "run", "ppo/score")) == 2
     assert (tmp_path / "run" / "checkpoints" / "step00000001" / "MANIFEST.json").exists()
     assert (tmp_path / "run" / "checkpoints" / "step00000001" / "trainer_state_rank1.pt").exists()
-    hf = write_ppo_config(tmp_path / "hf.json", tiny_model_dir, rm_root / "run" / "model", rm_data, tmp_path / "hf",
-                          train__iterations=2, train__eval_every=0, checkpoint__every_steps=0, rollout__sampler="hf")
-    # KL as a loss instead of in the reward, an entropy bonus, one critic-only warm-up iteration.
-    launch("train_ppo.py", hf, "--ppo.use_kl_in_reward", "false", "--ppo.kl_loss_coef", "0.1", "--ppo.entropy_coef", "0.01",
-           "--critic.warmup_iterations", "1", ranks=2)
-    gap = metric_series(tmp_path / "hf", "ppo/sampler_logprob_gap")
-    assert max(gap.values()) < 1e-4
-    assert list(metric_series(tmp_path / "hf", "ppo/pg_loss")) == [2]  # the actor trains after the warm-up only
-    assert sorted(metric_series(tmp_path / "hf", "ppo/vf_loss")) == [1, 2]
+
+
+def test_actor_loss_settings_change_the_actor_update_only(tiny_model_dir, rm_run, rm_data, tmp_path):
+    """Two HF-sampler runs on 2 ranks with one critic-only warm-up iteration, the same but for the
+    actor-loss settings: dual clip (a tight c, so it acts), a k3 KL loss and an entropy bonus.
+    The warm-up iteration and the second iteration's rollouts are identical; the actor update is not."""
+    rm_root, _ = rm_run
+    runs = {}
+    for name, extra in (("plain", []), ("terms", ["--ppo.clip_ratio_c", "1.01", "--ppo.kl_loss_coef", "0.1", "--ppo.kl_estimator", "k3",
+                                                  "--ppo.entropy_coef", "0.01"])):
+        config = write_ppo_config(tmp_path / f"{name}.json", tiny_model_dir, rm_root / "run" / "model", rm_data, tmp_path / name,
+                                  train__iterations=2, train__eval_every=0, checkpoint__every_steps=0, rollout__sampler="hf",
+                                  ppo__mini_batch_size=16)
+        launch("train_ppo.py", config, "--ppo.use_kl_in_reward", "false", "--critic.warmup_iterations", "1", *extra, ranks=2)
+        runs[name] = {m["step"]: m for m in read_records(str(tmp_path / name / "metrics.jsonl"))}
+    plain, terms = runs["plain"], runs["terms"]
+    assert max(metric_series(tmp_path / "terms", "ppo/sampler_logprob_gap").values()) < 1e-4
+    assert "ppo/pg_loss" not in plain[1] and "ppo/pg_loss" in plain[2]  # the actor trains after the warm-up only
+    for key in ("ppo/score", "ppo/kl", "ppo/vf_loss"):
+        assert terms[1][key] == plain[1][key], key  # the warm-up does not see the actor's loss
+    assert terms[2]["ppo/score"] == plain[2]["ppo/score"] and terms[2]["ppo/kl"] == plain[2]["ppo/kl"] == 0.0  # same rollouts
+    assert "ppo/dual_clipfrac" not in plain[2] and terms[2]["ppo/dual_clipfrac"] > 0  # the cap acted on some tokens
+    assert "ppo/kl_loss" not in plain[2] and terms[2]["ppo/kl_loss"] > 0  # k3 of the updated actor against the reference
+    assert terms[2]["ppo/pg_loss"] != plain[2]["ppo/pg_loss"] and terms[2]["ppo/entropy"] != plain[2]["ppo/entropy"]
+    actor = lambda name: AutoModelForCausalLM.from_pretrained(tmp_path / name / "actor").state_dict()["lm_head.weight"]  # noqa: E731
+    assert not torch.equal(actor("plain"), actor("terms"))
 
 
 def test_zero2_with_replicated_frozen_models(tiny_model_dir, rm_run, rm_data, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -13,12 +14,12 @@ import torch
 from helpers import REPO, RM_COMPONENTS, RM_STEPS, launch, metric_series, write_rm_config
 from transformers import AutoTokenizer
 
-from engine.models import load_value_model
-from engine.preference_data import load_preferences
-from engine.report import expected_plots
-from engine.reward_model import PairStats, score_pairs
-from engine.rm_losses import pair_losses
-from engine.run_logger import read_metrics
+from engine.data.preferences import load_preferences
+from engine.observe.records import read_records
+from engine.observe.report import expected_plots
+from engine.rm.losses import pair_losses
+from engine.rm.reward_model import PairStats, score_pairs
+from engine.runtime.models import load_value_model
 
 COMPONENTS = RM_COMPONENTS
 STEPS = RM_STEPS
@@ -36,11 +37,11 @@ def one_rank(rm_run):
 def test_reaches_high_validation_accuracy(one_rank):
     root, result = one_rank
     assert "validation accuracy" in result.stdout
-    final = read_metrics(str(root / "run" / "metrics.jsonl"))[-1]
+    final = read_records(str(root / "run" / "metrics.jsonl"))[-1]
     assert final["eval/acc"] >= 0.9
     assert final["eval/acc_helpful"] > 0.8 and final["eval/acc_harmless"] > 0.8
     assert len(losses(root / "run")) == STEPS
-    steps = read_metrics(str(root / "run" / "metrics.jsonl"))
+    steps = read_records(str(root / "run" / "metrics.jsonl"))
     assert {"rm/loss", "rm/acc", "rm/margin", "rm/lr", "rm/grad_norm", "timing/tokens_per_s"} <= steps[0].keys()
     assert list((root / "run" / "tensorboard").iterdir()) and list((root / "run" / "wandb").iterdir())
 
@@ -57,7 +58,7 @@ def test_run_directory_explains_itself(one_rank):
         png = (run / "report" / name).read_bytes()
         assert png.startswith(b"\x89PNG") and len(png) > 5000, name
         assert f'src="report/{name}"' in page
-    metrics = read_metrics(str(run / "metrics.jsonl"))
+    metrics = read_records(str(run / "metrics.jsonl"))
     train_keys = [{k for k in m if not k.startswith("eval/")} for m in metrics if "rm/loss" in m]
     assert len(train_keys) == STEPS and all(keys == train_keys[0] for keys in train_keys)  # stable keys, a line per step
     assert (run / "events.jsonl").read_text() == ""
@@ -82,7 +83,7 @@ def test_saved_model_reloads_and_scores_identically(one_rank, rm_data):
     reloaded = acc.reduce()
     assert reloaded["reward_mean"] == pytest.approx(stats["mean"], abs=1e-5)
     assert reloaded["reward_std"] == pytest.approx(stats["std"], abs=1e-5)
-    final = read_metrics(str(root / "run" / "metrics.jsonl"))[-1]
+    final = read_records(str(root / "run" / "metrics.jsonl"))[-1]
     assert reloaded["acc"] == final["eval/acc"]
 
 
@@ -118,17 +119,23 @@ def test_two_ranks_zero3_follow_the_one_rank_curve(one_rank, tiny_model_dir, rm_
 
 
 @pytest.mark.parametrize(
-    "ds_config, extra",
+    "ds_config, extra, in_effect",
     [
-        ("zero2.json", ["--model.bf16", "true"]),
-        ("zero3_offload.json", ["--model.bf16", "true"]),
-        ("tiny_cpu_zero2.json", ["--model.gradient_checkpointing", "true"]),
+        ("zero2.json", ["--model.bf16", "true"], "ZeRO-2, bfloat16 weights, offload: none, gradient checkpointing off"),
+        ("zero3_offload.json", ["--model.bf16", "true"],
+         "ZeRO-3, bfloat16 weights, offload: optimizer + parameters, gradient checkpointing off"),
+        ("tiny_cpu_zero2.json", ["--model.gradient_checkpointing", "true"], "ZeRO-2, float32 weights, offload: none, gradient checkpointing on"),
     ],
 )
-def test_other_zero_stages_offload_bf16_and_checkpointing_train(tiny_model_dir, rm_data, tmp_path, ds_config, extra):
-    config = write_rm_config(tmp_path / "rm.json", tiny_model_dir, rm_data, tmp_path / "run", max_steps=3)
-    launch("train_rm.py", config, "--deepspeed", ds_config, "--checkpoint.every_steps", "0", "--logging.wandb", "false", *extra)
-    assert len(losses(tmp_path / "run")) == 3 and (tmp_path / "run" / "model" / "model.safetensors").exists()
+def test_other_zero_stages_offload_bf16_and_checkpointing_train(tiny_model_dir, rm_data, tmp_path, ds_config, extra, in_effect):
+    """Each setting is in effect (read back from the engine, not the config) and the run learns."""
+    config = write_rm_config(tmp_path / "rm.json", tiny_model_dir, rm_data, tmp_path / "run", max_steps=6)
+    result = launch("train_rm.py", config, "--deepspeed", ds_config, "--checkpoint.every_steps", "0", "--logging.wandb", "false", *extra)
+    assert in_effect in result.stdout
+    loss = losses(tmp_path / "run")
+    assert sorted(loss) == list(range(1, 7)) and all(math.isfinite(v) for v in loss.values())
+    assert loss[5] + loss[6] < loss[1] + loss[2], loss
+    assert (tmp_path / "run" / "model" / "model.safetensors").exists()
 
 
 def test_bad_config_is_refused_before_training(tiny_model_dir, rm_data, tmp_path):

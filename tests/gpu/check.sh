@@ -5,7 +5,9 @@
 #    gradients reach the GPU weights, NCCL reduces CPU tensors, HF generate on cuda, RNG state.
 # 2. train_rm.py (bf16, ZeRO-3) and train_ppo.py (bf16, ZeRO-3, HF sampler) under the deepspeed
 #    launcher, then a PPO resume from the iteration-3 checkpoint compared with the straight run.
-# Logs and metrics land in $OUT (6 files), which the device tool brings back.
+# Logs and metrics land in $OUT (6 files), which the device tool brings back. Every step runs even
+# after a failure (one device run should say as much as it can); the exit status is 1 when a
+# device check failed or the resumed run's values differ from the straight run's.
 set -euo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -16,8 +18,8 @@ nvidia-smi -L; python3 -c "import torch, deepspeed, transformers; print('torch',
 python3 -m data_prep.synthetic_task --out $w/pairs.jsonl --num-pairs 2000 --seed 0
 python3 -m data_prep.make_tiny_model --text $w/pairs.jsonl --out $w/tiny --seed 0
 python3 -m data_prep.prepare_preferences --input $w/pairs.jsonl --tokenizer $w/tiny --out $w/data --seed 0
-# A failed check is reported and the runs still go ahead: one device run should say as much as it can.
-python3 tests/gpu/device_checks.py $w/tiny 2>&1 | tee $out/device_checks.log || echo "device checks: FAILURES (above)"
+status=0
+python3 tests/gpu/device_checks.py $w/tiny 2>&1 | tee $out/device_checks.log || { echo "device checks: FAILURES (above)"; status=1; }
 
 common=(--deepspeed zero3.json --logging.wandb false --logging.tensorboard false --logging.progress_bar false)
 "${launcher[@]}" train/train_rm.py --config ds_configs/demo_rm.json --model.path $w/tiny --model.bf16 true \
@@ -30,11 +32,15 @@ ppo=(train/train_ppo.py --config ds_configs/demo_ppo.json --actor.path $w/tiny -
 cp -r $w/ppo $w/ppo_resumed  # holds checkpoints/step00000003; the resume rewinds the logs to it
 "${launcher[@]}" "${ppo[@]}" --logging.output_dir $w/ppo_resumed --resume 2>&1 | tee $out/ppo_resumed.log | tail -5
 cp $w/rm/metrics.jsonl $out/rm_metrics.jsonl; cp $w/ppo/metrics.jsonl $out/ppo_metrics.jsonl
-python3 - $w/ppo/metrics.jsonl $w/ppo_resumed/metrics.jsonl <<'PY'
+python3 - $w/ppo/metrics.jsonl $w/ppo_resumed/metrics.jsonl <<'PY' || status=1
 import json, sys
-straight, resumed = ([json.loads(l) for l in open(p)] for p in sys.argv[1:])
+straight, resumed = ({r["step"]: r for r in map(json.loads, open(p)) if "ppo/score" in r} for p in sys.argv[1:])
 keys = ("ppo/score", "ppo/kl", "ppo/pg_loss", "ppo/vf_loss")
-for a, b in zip(straight, resumed):
-    if "ppo/score" in a:
-        print(a["step"], " ".join(f"{k}={a[k]:.5f}/{b[k]:.5f}" for k in keys), f"s/it={a['timing/iteration_s']:.3f}")
+differ = [s for s in straight if s > 3 and any(straight[s][k] != resumed.get(s, {}).get(k) for k in keys)]
+for s, a in straight.items():
+    b = resumed.get(s, {})
+    print(s, " ".join(f"{k}={a[k]:.5f}/{b.get(k, float('nan')):.5f}" for k in keys), f"s/it={a['timing/iteration_s']:.3f}")
+print("resume: exact" if not differ and sorted(resumed) == sorted(straight) else f"resume: DIFFERS at iterations {differ}")
+sys.exit(1 if differ or sorted(resumed) != sorted(straight) else 0)
 PY
+exit $status

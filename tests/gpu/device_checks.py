@@ -12,12 +12,12 @@ import sys
 
 import torch
 
-from engine.checkpoint import rng_state, set_rng_state
-from engine.distributed import all_reduce
-from engine.experience import response_logprobs, response_values
-from engine.models import load_causal_lm, load_value_model, resolve_attention
-from engine.packing import last_token, pack_sequences, packed_forward
-from engine.sampler import HFSampler, SamplingSettings
+from engine.data.packing import last_token, pack_sequences, packed_forward
+from engine.ppo.experience import response_logprobs, response_values
+from engine.rollout.sampler import HFSampler, SamplingSettings
+from engine.runtime.checkpoint import rng_state, set_rng_state
+from engine.runtime.distributed import all_reduce
+from engine.runtime.models import load_causal_lm, load_value_model, resolve_attention
 
 failures = 0
 

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from transformers.integrations import HfDeepSpeedConfig
 
 from engine.config import DS_CONFIGS_DIR
-from engine.distributed import init_distributed, shutdown_distributed
+from engine.runtime.distributed import init_distributed, shutdown_distributed
 
 
 def main() -> None:

@@ -19,11 +19,11 @@ import deepspeed
 import torch
 from transformers.integrations import HfDeepSpeedConfig
 
-from engine.batching import plan_global, token_mean_scale
 from engine.config import DS_CONFIGS_DIR
-from engine.distributed import init_distributed, shutdown_distributed
-from engine.models import load_causal_lm
-from engine.packing import next_token_logprobs, pack_sequences, packed_forward
+from engine.data.batching import plan_global, token_mean_scale
+from engine.data.packing import next_token_logprobs, pack_sequences, packed_forward
+from engine.runtime.distributed import init_distributed, shutdown_distributed
+from engine.runtime.models import load_causal_lm
 
 # (sequence lengths, max_tokens): mixed lengths; and one where a rank gets an empty micro-batch.
 CASES = [([7, 1, 23, 12, 2, 30, 9], 40), ([30, 30, 30], 32)]

@@ -17,11 +17,11 @@ import torch
 from transformers import AutoTokenizer
 
 from engine.config import DS_CONFIGS_DIR
-from engine.deepspeed_glue import initialize_training_engine, load_partitioned, training_ds_config
-from engine.distributed import init_distributed, shutdown_distributed
-from engine.models import load_causal_lm
-from engine.packing import next_token_logprobs, pack_sequences, packed_forward
-from engine.sampler import HFSampler, SamplingSettings, VLLMSampler
+from engine.data.packing import next_token_logprobs, pack_sequences, packed_forward
+from engine.rollout.sampler import HFSampler, SamplingSettings, VLLMSampler
+from engine.runtime.deepspeed_glue import initialize_training_engine, load_partitioned, training_ds_config
+from engine.runtime.distributed import init_distributed, shutdown_distributed
+from engine.runtime.models import load_causal_lm
 
 GREEDY = SamplingSettings(n=1, temperature=0.0, top_p=1.0, max_new_tokens=12)
 QUESTIONS = ["Tell me about the garden in Alder.", "What do you think of the river in Cobton?", "Hello"]

@@ -4,7 +4,7 @@
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``external_launcher`` executor, which reuses the
 process group DeepSpeed created; it must be built *after* the DeepSpeed engines). After each
 actor update :meth:`VLLMSampler.sync_weights` pushes the actor's weights in, bucket by bucket
-(engine/weight_sync.py). :class:`HFSampler` generates with the actor engine itself (debugging,
+(engine/rollout/weight_sync.py). :class:`HFSampler` generates with the actor engine itself (debugging,
 machines without vLLM); its weights are always current.
 
 Both return :class:`Sample` lists; the log-probs they report are only used to measure the gap
@@ -20,8 +20,8 @@ from typing import Sequence
 
 import torch
 
-from engine.checkpoint import rng_state, set_rng_state
-from engine.cpu_threads import confine_openmp_to_this_thread
+from engine.runtime.checkpoint import rng_state, set_rng_state
+from engine.runtime.cpu_threads import confine_openmp_to_this_thread
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ class VLLMSampler:
         ]
 
     def sync_weights(self, actor_module: torch.nn.Module) -> None:
-        from engine.weight_sync import push_weights_to_vllm
+        from engine.rollout.weight_sync import push_weights_to_vllm
 
         self._wake()
         push_weights_to_vllm(actor_module, self.llm)

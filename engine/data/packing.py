@@ -169,3 +169,9 @@ def next_token_logprobs(logits: torch.Tensor, packed: PackedBatch) -> list[torch
     """
     token_logprobs = target_logprobs(logits[0, :-1], packed.input_ids[0, 1:]).cpu()  # (T - 1,)
     return [token_logprobs[s : s + n - 1] for s, n in zip(packed.starts, packed.seq_lens)]
+
+
+def dummy_forward_loss(model, pad_token_id: int) -> torch.Tensor:
+    """A zero loss through a one-token forward, for a rank with no pairs in this micro-step:
+    ZeRO-3 gathers parameters in forward/backward, so every rank must run them."""
+    return packed_forward(model, pack_sequences([], pad_token_id)).sum() * 0.0

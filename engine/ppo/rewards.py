@@ -10,9 +10,9 @@ from typing import Callable, Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from engine.chat import tokenize_pairs
-from engine.experience import map_micro_batches
-from engine.packing import last_token, packed_forward
+from engine.data.chat import tokenize_pairs
+from engine.data.packing import last_token, packed_forward
+from engine.ppo.experience import map_micro_batches
 
 Rule = Callable[[list[dict[str, str]], str], float]
 

@@ -29,7 +29,7 @@ def training_ds_config(ds_config: dict[str, Any], bf16: bool) -> dict[str, Any]:
     cfg["gradient_accumulation_steps"] = 1
     cfg["managed_gradient_accumulation"] = False
     # bf16 ZeRO-1/2 check the gradient for NaN/Inf only when asked (fp32 and ZeRO-3 always do):
-    # a non-finite step is then discarded, which engine/guards.py counts.
+    # a non-finite step is then discarded, which engine/runtime/guards.py counts.
     cfg["bf16"] = {"enabled": True, "check_grad_overflow": True} if bf16 else {"enabled": False}
     cfg.setdefault("gradient_clipping", 1.0)
     if zero_stage(cfg) == 3:  # its default replaces torch.nn.functional.linear process-wide (slower on CPU)
@@ -85,6 +85,28 @@ def initialize_training_engine(
     return engine
 
 
+def frozen_engine(model, ds_config):
+    """A ZeRO inference engine: partitioned weights, no optimizer, no gradients."""
+    model.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+    engine.eval()
+    return engine
+
+
+def describe_engine(engine) -> str:
+    """What is in effect in a training engine, read from the engine and its optimizer (not from the
+    config): ZeRO stage, weight dtype, offloads, gradient checkpointing."""
+    param = next(engine.module.parameters())
+    dtype = getattr(param, "ds_tensor", param).dtype  # ZeRO-3: this rank's partition
+    optimizer = engine.optimizer
+    offloads = [what for what, on in (
+        ("optimizer", getattr(optimizer, "offload_optimizer", False) or getattr(optimizer, "cpu_offload", False)),  # ZeRO-3, ZeRO-1/2
+        ("parameters", getattr(optimizer, "offload_param", False)),
+    ) if on]
+    return (f"ZeRO-{engine.zero_optimization_stage()}, {str(dtype).removeprefix('torch.')} weights, offload: {' + '.join(offloads) or 'none'}, "
+            f"gradient checkpointing {'on' if getattr(engine.module, 'is_gradient_checkpointing', False) else 'off'}")
+
+
 def full_state_dict(engine) -> dict[str, torch.Tensor] | None:
     """The unpartitioned weights on rank 0 (None elsewhere). A collective under ZeRO-3."""
     if engine.zero_optimization_partition_weights():
@@ -115,3 +137,12 @@ def save_hf_model(
         os.replace(tmp, out_dir)
         shutil.rmtree(old, ignore_errors=True)
     torch.distributed.barrier()
+
+
+def scale_learning_rate(engine, factor: float) -> None:
+    """Multiply a DeepSpeed engine's learning rate by ``factor``, now and for the rest of its
+    schedule (the HF schedulers scale ``base_lrs``, which the scheduler checkpoint keeps)."""
+    scheduler = engine.lr_scheduler
+    scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
+    for group in scheduler.optimizer.param_groups:
+        group["lr"] *= factor

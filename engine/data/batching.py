@@ -10,13 +10,16 @@ micro-batches gets empty ones (the trainer runs a zero-weight dummy forward for 
 
 Loss aggregation across micro-batches: see :func:`token_mean_scale`.
 
-All functions here are pure Python on lists of lengths; indices refer to the input order.
+The planning functions are pure Python on lists of lengths; indices refer to the input order.
+:func:`epoch_order` is the data order of an epoch, shared by the RM and PPO loops.
 """
 
 from __future__ import annotations
 
 import heapq
 from typing import Sequence
+
+import numpy as np
 
 
 def check_fits(lengths: Sequence[int], max_tokens: int, what: str = "item") -> None:
@@ -131,3 +134,9 @@ def token_mean_scale(global_count: int, world_size: int) -> float:
     if global_count <= 0:
         raise ValueError(f"global_count must be positive, got {global_count}")
     return world_size / global_count
+
+
+def epoch_order(num_examples: int, seed: int, epoch: int) -> np.ndarray:
+    """The shuffled example order of an epoch: a function of (seed, epoch) only, so a resumed
+    run finds its place from the epoch and the step within it."""
+    return np.random.default_rng([seed, epoch]).permutation(num_examples)

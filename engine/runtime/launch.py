@@ -1,4 +1,4 @@
-"""What both launched scripts do first: arguments, config, process group, seeds."""
+"""What both launched scripts do first and last: arguments, config, process group, seeds; the exit."""
 
 from __future__ import annotations
 
@@ -8,31 +8,43 @@ import random
 import signal
 import sys
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Callable, NoReturn, TypeVar
 
 import numpy as np
 import torch
 
 from engine.config import ConfigError, load_config
-from engine.distributed import all_reduce, init_distributed
+from engine.runtime.distributed import all_reduce, init_distributed, shutdown_distributed
 
 T = TypeVar("T")
 
 
+class RunRefused(Exception):
+    """A run that must not start (exit 2, nothing changed): the message says why and what to do.
+    ``kind`` prefixes it: ``config error: ...``, ``output error: ...``, ``resume error: ...``."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
 @dataclass(frozen=True)
 class RunArgs:
-    resume: bool  # continue from the latest complete checkpoint
+    resume: bool  # continue from the latest checkpoint
+    overwrite: bool  # a fresh run may replace the run already in the output directory
     allow_config_change: bool  # resume even if the checkpoint's run identity differs
-    dry_run: bool  # print the plan (data, batches, parameters, memory) and exit: engine/dry_run.py
+    dry_run: bool  # print the plan (data, batches, parameters, memory) and exit: engine/runtime/dry_run.py
 
 
 def start_run(config_cls: type[T], description: str) -> tuple[T, RunArgs, int, int]:
-    """Parse ``--config PATH [--resume] [--dry-run] [--section.key value ...]``, load and check the config
-    (exit 2 with the message on a bad one), join the process group (not for a dry run) and seed python, numpy and
+    """Parse ``--config PATH [--resume | --overwrite] [--dry-run] [--section.key value ...]``, load and check the
+    config (:class:`RunRefused` on a bad one), join the process group (not for a dry run) and seed python, numpy and
     torch with ``config.train.seed``. Returns ``(config, run_args, rank, world_size)``."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", required=True, help="run config JSON")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    start = parser.add_mutually_exclusive_group()
+    start.add_argument("--resume", action="store_true", help="continue from the latest checkpoint of logging.output_dir")
+    start.add_argument("--overwrite", action="store_true", help="start afresh in an output directory that holds a run, replacing it")
     parser.add_argument(
         "--allow-config-change", action="store_true", help="resume even if model, data or batch shape changed since the checkpoint"
     )
@@ -42,8 +54,7 @@ def start_run(config_cls: type[T], description: str) -> tuple[T, RunArgs, int, i
     try:
         cfg = load_config(config_cls, args.config, overrides)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+        raise RunRefused("config", str(e)) from None
     if args.dry_run:  # no process group: nothing collective happens
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     else:
@@ -52,7 +63,19 @@ def start_run(config_cls: type[T], description: str) -> tuple[T, RunArgs, int, i
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    return cfg, RunArgs(args.resume, args.allow_config_change, args.dry_run), rank, world
+    return cfg, RunArgs(args.resume, args.overwrite, args.allow_config_change, args.dry_run), rank, world
+
+
+def run_main(main: Callable[[], int]) -> NoReturn:
+    """A launched script's entry point: run ``main``; a refusal exits 2 with its message; the ranks
+    leave the process group together (engine/runtime/distributed.py)."""
+    try:
+        code = main()
+    except RunRefused as e:
+        print(f"{e.kind} error: {e}", file=sys.stderr)
+        code = 2
+    shutdown_distributed()
+    sys.exit(code)
 
 
 class GracefulStop:

@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, PreTrainedModel
 
-from engine.packing import VARLEN_SDPA  # importing it registers that attention implementation
+from engine.data.packing import VARLEN_SDPA  # importing it registers that attention implementation
 
 AUTO_ATTENTION = "auto"
 

@@ -17,11 +17,10 @@ from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-from engine.batching import plan_global, plan_micro_batches
-from engine.chat import prompt_ids
-from engine.deepspeed_glue import zero_stage
-from engine.models import value_model_config
-from engine.preference_data import epoch_order
+from engine.data.batching import epoch_order, plan_global, plan_micro_batches
+from engine.data.chat import prompt_ids
+from engine.runtime.deepspeed_glue import zero_stage
+from engine.runtime.models import value_model_config
 
 
 def size(num_bytes: float) -> str:

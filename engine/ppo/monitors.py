@@ -3,10 +3,10 @@ model rather than getting better. They flag (log an event); they do not act."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
-from engine.guards import Stateful
+from engine.runtime.guards import Stateful
 
 
 def repeated_ngrams(ids: Sequence[int], n: int) -> tuple[int, int]:
@@ -31,9 +31,19 @@ class HackingMonitor(Stateful):
     kl_ceiling: float | None
     last_train_reward: float | None = None
     last_win_rate: float | None = None
+    train_scores: list[float] = field(default_factory=list)  # mean rollout score of each iteration since the last evaluation
+
+    def record_train_score(self, score: float) -> None:
+        self.train_scores.append(score)
+
+    def check_evaluation(self, evaluation: dict[str, float]) -> list[tuple[str, str]]:
+        """:meth:`check` against the mean rollout score recorded since the previous evaluation."""
+        train_reward = sum(self.train_scores) / len(self.train_scores) if self.train_scores else None
+        self.train_scores = []
+        return self.check(evaluation, train_reward)
 
     def check(self, evaluation: dict[str, float], train_reward: float | None) -> list[tuple[str, str]]:
-        """``evaluation``: the held-out metrics (engine/ppo_eval.py); ``train_reward``: the mean
+        """``evaluation``: the held-out metrics (engine/ppo/evaluation.py); ``train_reward``: the mean
         rollout score since the previous evaluation (None before the first iteration)."""
         flags = []
         if evaluation["length_ratio"] > self.length_ratio_max:

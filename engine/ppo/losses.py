@@ -11,7 +11,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from engine.distributed import all_reduce
+from engine.runtime.distributed import all_reduce
 
 KLEstimator = Literal["k1", "k2", "k3"]
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps exp() finite when policies drift apart
@@ -93,6 +93,7 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, group=None, eps: float = 1e-8) -
 class PolicyLoss(NamedTuple):
     loss: torch.Tensor  # (B, T) per-token loss (aggregate with the mask)
     clipped: torch.Tensor  # (B, T) bool, True where the clip was active
+    capped: torch.Tensor | None = None  # (B, T) bool, True where dual clip's cap -c * A was active (dual clip only)
 
 
 def clipped_policy_loss(
@@ -123,7 +124,7 @@ def dual_clip_policy_loss(
     base = clipped_policy_loss(logprobs, old_logprobs, advantages, clip_low, clip_high)
     cap = -clip_ratio_c * advantages
     capped = (advantages < 0) & (base.loss > cap)
-    return PolicyLoss(torch.where(capped, cap, base.loss), base.clipped | capped)
+    return PolicyLoss(torch.where(capped, cap, base.loss), base.clipped | capped, capped)
 
 
 def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float) -> PolicyLoss:

@@ -1,6 +1,6 @@
 """One self-contained HTML report of a run: summary, plots, events and sample rollouts.
 
-    python -m engine.report RUN_DIR [--output PATH]
+    python -m engine.observe.report RUN_DIR [--output PATH]
 
 Reads RUN_DIR/metrics.jsonl (required) and, when present, config.json, events.jsonl and
 samples.jsonl; writes RUN_DIR/report.html (or PATH) and its PNG plots into a ``report/``
@@ -31,7 +31,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from engine.run_logger import read_metrics
+from engine.observe.records import read_records
 
 Records = list[dict[str, Any]]
 HEADLINE = {"rm": ("eval/acc", "eval/loss_total"), "ppo": ("ppo/score", "ppo/kl", "eval/reward", "eval/win_rate")}
@@ -228,15 +228,15 @@ EXPECTED_PLOTS = {kind: [p.file for p in plots if not p.eval_only] for kind, plo
 
 def expected_plots(run_dir: str) -> list[str]:
     """The PNG files a complete run of this run's kind must produce."""
-    return EXPECTED_PLOTS[run_kind(read_metrics(os.path.join(run_dir, "metrics.jsonl")))]
+    return EXPECTED_PLOTS[run_kind(read_records(os.path.join(run_dir, "metrics.jsonl")))]
 
 
 def load_run(run_dir: str) -> Run:
     def optional(name: str) -> Records:
         path = os.path.join(run_dir, name)
-        return read_metrics(path) if os.path.exists(path) else []
+        return read_records(path) if os.path.exists(path) else []
 
-    metrics = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    metrics = read_records(os.path.join(run_dir, "metrics.jsonl"))
     config_path = os.path.join(run_dir, "config.json")
     config = None
     if os.path.exists(config_path):

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from typing import Any
+
+from engine.observe.records import truncate_after
 
 
 class RunLogger:
@@ -40,7 +41,7 @@ class RunLogger:
             if resume_step is None:  # a fresh run starts fresh files
                 open(path, "w").close()
             else:  # a resumed run rewrites what came after its checkpoint
-                _truncate_after(path, resume_step)
+                truncate_after(path, resume_step)
         if use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -70,7 +71,7 @@ class RunLogger:
         if not self.enabled:
             return
         for path in (self.path, self.samples_path):
-            _truncate_after(path, step)
+            truncate_after(path, step)
         if self.tb is not None:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -92,17 +93,6 @@ class RunLogger:
         with open(self.samples_path, "a") as f:
             f.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
 
-    def finish(self, code: int, message: str) -> int:
-        """End of a run (done, stopped or aborted): close the sinks and, on rank 0, print
-        ``message`` (to stderr when ``code`` is an error) and write the HTML report. Returns ``code``."""
-        self.close()
-        if self.enabled:
-            from engine.report import write_report  # engine.report reads what this module writes
-
-            print(message, file=sys.stderr if code else sys.stdout)
-            print(f"report: {write_report(self.output_dir)}")
-        return code
-
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
@@ -117,26 +107,3 @@ class RunLogger:
         except Exception as e:  # noqa: BLE001 -- any wandb failure is reported the same way
             print(f"warning: wandb {method} failed ({type(e).__name__}: {e}); wandb logging is off for this run")
             self.wandb_run = None
-
-
-def _truncate_after(path: str, step: int) -> None:
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        kept = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= step]
-    with open(path, "w") as f:
-        f.writelines(kept)
-
-
-def read_metrics(path: str) -> list[dict[str, Any]]:
-    """The records of a metrics/events/samples .jsonl file, in order. A run still writing may
-    have a half-written last line: it is left out."""
-    records = []
-    with open(path) as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                if line.endswith("\n"):
-                    raise
-    return records

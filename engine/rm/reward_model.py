@@ -6,11 +6,11 @@ from typing import Sequence
 
 import torch
 
-from engine.batching import plan_global
-from engine.distributed import all_reduce
-from engine.packing import last_token, pack_sequences, packed_forward
-from engine.preference_data import PreferenceExample, collate_pairs
-from engine.rm_losses import PairLosses, pair_losses, weighted_total
+from engine.data.batching import plan_global
+from engine.data.packing import dummy_forward_loss, last_token, pack_sequences, packed_forward
+from engine.data.preferences import PreferenceExample, collate_pairs
+from engine.rm.losses import PairLosses, pair_losses, weighted_total
+from engine.runtime.distributed import all_reduce
 
 
 def score_pairs(model, examples: Sequence[PreferenceExample], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,11 +24,6 @@ def score_pairs(model, examples: Sequence[PreferenceExample], pad_token_id: int)
     rewards = rewards.view(len(examples), 2, -1)  # (B, [chosen, rejected], C)
     return rewards[:, 0], rewards[:, 1]
 
-
-def dummy_forward_loss(model, pad_token_id: int) -> torch.Tensor:
-    """A zero loss through a one-token forward, for a rank with no pairs in this micro-step:
-    ZeRO-3 gathers parameters in forward/backward, so every rank must run them."""
-    return packed_forward(model, pack_sequences([], pad_token_id)).sum() * 0.0
 
 
 class PairStats:

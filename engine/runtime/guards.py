@@ -34,7 +34,7 @@ class NonFiniteGuard(Stateful):
 
     DeepSpeed's ZeRO optimizers already discard such a step (no update, no LR-schedule step)
     when the global gradient norm is not finite (fp32; bf16 with ``check_grad_overflow``, which
-    engine/deepspeed_glue.py turns on): the guard reads ``engine.was_step_applied()``.
+    engine/runtime/deepspeed_glue.py turns on): the guard reads ``engine.was_step_applied()``.
     """
 
     max_in_a_row: int
@@ -100,12 +100,3 @@ class RollbackGuard(Stateful):
                 + (f" and restart from {target}" if target else "")
             )
         self.rollbacks += 1
-
-
-def scale_learning_rate(engine, factor: float) -> None:
-    """Multiply a DeepSpeed engine's learning rate by ``factor``, now and for the rest of its
-    schedule (the HF schedulers scale ``base_lrs``, which the scheduler checkpoint keeps)."""
-    scheduler = engine.lr_scheduler
-    scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
-    for group in scheduler.optimizer.param_groups:
-        group["lr"] *= factor

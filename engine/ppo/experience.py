@@ -1,4 +1,5 @@
-"""Turning sampled responses into PPO training data: log-probs, values, rewards, advantages.
+"""Turning sampled responses into PPO training data: log-probs, values, rewards, advantages
+(:func:`make_experience`).
 
 Everything here runs on one rank's samples; forwards go through packed, token-budget
 micro-batches whose count every rank agrees on (ZeRO-3 forwards are collectives).
@@ -7,14 +8,17 @@ micro-batches whose count every rank agrees on (ZeRO-3 forwards are collectives)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from engine.batching import plan_micro_batches
-from engine.distributed import agree_max
-from engine.packing import PackedBatch, pack_sequences, packed_forward, target_logprobs, unpack
-from engine.ppo_losses import entropy_from_logits
+from engine.data.batching import plan_micro_batches
+from engine.data.packing import PackedBatch, pack_sequences, packed_forward, target_logprobs, unpack
+from engine.ppo.losses import entropy_from_logits, gae, kl_penalty, masked_mean, token_rewards, whiten
+from engine.runtime.distributed import agree_max
+
+if TYPE_CHECKING:
+    from engine.rollout.sampler import Sample
 
 
 def packed_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -53,7 +57,7 @@ def response_logprobs(
     """Log-prob (and policy entropy) of each response token: one (R_i,) tensor per sequence.
 
     The LM head runs on the response-predicting positions only; log p is computed in float32
-    on the model's device (:func:`engine.packing.target_logprobs`). The results come back on
+    on the model's device (:func:`engine.data.packing.target_logprobs`). The results come back on
     the CPU (differentiably: a loss built from them backpropagates into the model). The
     entropy is detached unless ``entropy_grad`` (an entropy bonus): as a metric only, its
     backward would cost ~10% of the actor's forward + backward.
@@ -83,6 +87,16 @@ def response_values(output: torch.Tensor, packed, prompt_lens: Sequence[int], we
     weighted sum, so it starts as the reward model's total.
     """
     return [(v[p - 1 : -1].float() * weights).sum(-1) for v, p in zip(unpack(output, packed), prompt_lens)]
+
+
+def sequence_values(
+    critic, sequences: Sequence[list[int]], prompt_lens: Sequence[int], weights: torch.Tensor, max_tokens: int, pad_token_id: int
+) -> list[torch.Tensor]:
+    """Each sequence's critic values (one (R_i,) tensor each), in packed micro-batches of at most ``max_tokens``."""
+    return map_micro_batches(
+        sequences, max_tokens, pad_token_id,
+        lambda packed, idx: response_values(packed_forward(critic, packed), packed, [prompt_lens[i] for i in idx], weights),
+    )
 
 
 def pad_right(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
@@ -115,3 +129,56 @@ class Experience:
             prompt_lens=[self.prompt_lens[i] for i in rows],
             **{f: getattr(self, f)[idx] for f in ("mask", "old_logprobs", "ref_logprobs", "old_values", "advantages", "returns", "scores", "kl")},
         )
+
+
+@torch.no_grad()
+def make_experience(
+    samples: Sequence[Sample],
+    *,
+    prompt_messages: Sequence[list[dict[str, str]]],
+    actor,
+    critic,
+    ref,
+    scorer,  # engine.ppo.rewards.RewardScorer (which imports this module)
+    value_weights: torch.Tensor,
+    tokenizer,
+    max_tokens: int,
+    kl_estimator: str,
+    kl_coef: float,
+    gamma: float,
+    lam: float,
+    whiten_advantages: bool,
+) -> tuple[Experience, dict[str, float]]:
+    """Score and evaluate one rank's samples (``prompt_messages[i]`` is sample i's prompt).
+
+    Four forwards in packed micro-batches of at most ``max_tokens``: actor and reference
+    log-probs, critic values, reward-model scores; then the per-token KL to the reference
+    (``kl_coef`` 0: none in the reward), GAE and, optionally, advantages whitened over all ranks.
+    Returns the experience and this rank's rollout statistics (means over its samples).
+    """
+    pad = tokenizer.pad_token_id
+    sequences = [s.prompt_ids + s.response_ids for s in samples]
+    prompt_lens = [len(s.prompt_ids) for s in samples]
+    T = max(len(s.response_ids) for s in samples)
+    mask = pad_right([torch.ones(len(s.response_ids), dtype=torch.bool) for s in samples], T)  # (B, T)
+    old_logprobs = pad_right(sequence_logprobs(actor, sequences, prompt_lens, max_tokens, pad), T)  # (B, T)
+    ref_logprobs = pad_right(sequence_logprobs(ref, sequences, prompt_lens, max_tokens, pad), T)  # (B, T)
+    values = pad_right(sequence_values(critic, sequences, prompt_lens, value_weights, max_tokens, pad), T)  # (B, T)
+    texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+    scores, parts = scorer.score(prompt_messages, texts, [s.finished for s in samples])  # (B,)
+    kl = kl_penalty(old_logprobs, ref_logprobs, kl_estimator) * mask
+    rewards = token_rewards(scores, kl, mask, kl_coef)
+    advantages, returns = gae(rewards, values, mask, gamma, lam)
+    if whiten_advantages:
+        advantages = whiten(advantages, mask, group=torch.distributed.group.WORLD)
+    sampler_logprobs = pad_right([torch.tensor(s.logprobs) for s in samples], T)
+    exp = Experience(sequences, prompt_lens, mask, old_logprobs, ref_logprobs, values, advantages, returns, scores, kl)
+    stats = {
+        "score": scores.mean().item(),
+        "kl": kl.sum(1).mean().item(),  # per sequence
+        "response_length": mask.sum(1).float().mean().item(),
+        "finished": sum(s.finished for s in samples) / len(samples),
+        "sampler_logprob_gap": masked_mean((sampler_logprobs - old_logprobs).abs(), mask).item(),
+        **{k: v.mean().item() for k, v in parts.items()},
+    }
+    return exp, stats

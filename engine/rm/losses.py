@@ -1,7 +1,7 @@
 """Reward-model losses: Bradley-Terry, margin, centering, decomposition into components.
 
 Pure tensor functions; every loss returns per-pair values so the caller chooses the
-aggregation (sum over a micro-batch, scaled to the global mean: engine/batching.py).
+aggregation (sum over a micro-batch, scaled to the global mean: engine/data/batching.py).
 """
 
 from __future__ import annotations

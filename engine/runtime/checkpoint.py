@@ -6,8 +6,12 @@ and ``CKPT_ROOT/latest`` (the name of the newest complete checkpoint).
 Crash safety: every rank writes into ``step00000042.tmp``; after a barrier rank 0 lists the
 files with their sizes in ``MANIFEST.json``, renames the directory into place (atomic on one
 file system) and only then moves ``latest`` (itself written to a temporary file and renamed).
-A crash during a save leaves the previous checkpoint and pointer untouched. On resume a
-checkpoint whose files no longer match its manifest is skipped in favour of the previous one.
+A crash during a save leaves the previous checkpoint and pointer untouched.
+
+``latest`` is the one source of truth for "the checkpoint to resume": a resume takes the
+checkpoint it names, or, when that one no longer matches its manifest (a damaged disk, a
+partial copy), the newest complete checkpoint before it. A rollback points it back at the
+checkpoint it restored and removes the abandoned ones after it (:func:`rewind_to`).
 The trainer state holds the step, the data position, a summary of the run's config (checked
 on resume) and the RNG states of python, numpy and torch, per rank, loaded with
 ``weights_only=True``.
@@ -27,8 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine import faults
-from engine.distributed import all_reduce
+from engine.runtime import faults
+from engine.runtime.distributed import all_reduce
 
 MANIFEST = "MANIFEST.json"
 LATEST = "latest"
@@ -119,9 +123,50 @@ def complete_checkpoints(ckpt_root: str) -> list[str]:
 
 
 def latest_checkpoint(ckpt_root: str) -> str | None:
-    """The newest complete checkpoint (the one ``latest`` names when it is intact)."""
-    done = complete_checkpoints(ckpt_root)
-    return done[-1] if done else None
+    """The checkpoint ``latest`` names, or the newest complete one before it when it is damaged;
+    None without a pointer or without a complete checkpoint up to it."""
+    named = _read_latest(ckpt_root)
+    if named is None:
+        return None
+    usable = [c for c in complete_checkpoints(ckpt_root) if os.path.basename(c) <= named]
+    return usable[-1] if usable else None
+
+
+def describe_checkpoints(ckpt_root: str) -> str:
+    """What ``ckpt_root`` holds, for a refusal to resume (no usable checkpoint there)."""
+    found = sorted(d for d in os.listdir(ckpt_root) if _STEP_DIR.match(d)) if os.path.isdir(ckpt_root) else []
+    if not found:
+        return f"no checkpoint in {ckpt_root}"
+    complete = [os.path.basename(c) for c in complete_checkpoints(ckpt_root)]
+    named = _read_latest(ckpt_root)
+    if not complete:
+        return f"{len(found)} checkpoint(s) in {ckpt_root}, all damaged (files differ from their {MANIFEST}): {', '.join(found)}"
+    if named is None:
+        return (f"no '{LATEST}' pointer in {ckpt_root} (complete checkpoints: {', '.join(complete)}); to resume from one, "
+                f"write its name into {os.path.join(ckpt_root, LATEST)}")
+    return f"'{LATEST}' names {named}, and no complete checkpoint up to it (complete: {', '.join(complete)})"
+
+
+def rewind_to(ckpt_root: str, path: str) -> None:
+    """After a rollback to ``path``: remove the checkpoints after it (the abandoned branch) and
+    point ``latest`` at it, so a later resume continues from what the run now is. All ranks call it."""
+    if torch.distributed.get_rank() == 0:
+        keep = os.path.basename(path)
+        for name in os.listdir(ckpt_root):
+            step_name = name.removesuffix(".tmp")
+            if _STEP_DIR.match(step_name) and step_name > keep:
+                shutil.rmtree(os.path.join(ckpt_root, name))
+        _write_atomically(os.path.join(ckpt_root, LATEST), keep)
+    torch.distributed.barrier()
+
+
+def _read_latest(ckpt_root: str) -> str | None:
+    try:
+        with open(os.path.join(ckpt_root, LATEST)) as f:
+            name = f.read().strip()
+    except OSError:
+        return None
+    return name if _STEP_DIR.match(name) else None
 
 
 def load_checkpoint(path: str, engines: dict[str, Any], run_identity: dict[str, Any], allow_config_change: bool) -> dict[str, Any]:

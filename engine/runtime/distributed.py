@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import torch
 
-from engine.cpu_threads import confine_openmp_to_this_thread
+from engine.runtime.cpu_threads import confine_openmp_to_this_thread
 
 
 def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
@@ -62,6 +62,13 @@ def all_reduce(t: torch.Tensor, op=torch.distributed.ReduceOp.SUM, group=None) -
 def agree_max(value: int) -> int:
     """The largest ``value`` over all ranks (e.g. the micro-batch count every rank must run)."""
     return int(all_reduce(torch.tensor([value], dtype=torch.long), op=torch.distributed.ReduceOp.MAX).item())
+
+
+def mean_over_ranks(stats: dict[str, float]) -> dict[str, float]:
+    keys = sorted(stats)
+    t = torch.tensor([stats[k] for k in keys], dtype=torch.float64)
+    all_reduce(t)
+    return {k: v / torch.distributed.get_world_size() for k, v in zip(keys, t.tolist())}
 
 
 def shutdown_distributed() -> None:

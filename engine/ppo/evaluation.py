@@ -15,12 +15,12 @@ from typing import Any, Sequence
 
 import torch
 
-from engine.chat import prompt_ids
-from engine.distributed import all_reduce
-from engine.experience import sequence_logprobs
-from engine.monitors import repeated_ngrams
-from engine.ppo_rewards import RewardScorer
-from engine.sampler import Sample, SamplingSettings
+from engine.data.chat import prompt_ids
+from engine.ppo.experience import sequence_logprobs
+from engine.ppo.monitors import repeated_ngrams
+from engine.ppo.rewards import RewardScorer
+from engine.rollout.sampler import Sample, SamplingSettings
+from engine.runtime.distributed import all_reduce
 
 POLICY_SEED, REFERENCE_SEED = 10**6, 2 * 10**6  # request seeds (+ rank): independent policy and reference draws
 

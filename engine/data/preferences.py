@@ -5,12 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 import pyarrow.parquet as pq
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from engine.chat import tokenize_pairs
+from engine.data.chat import tokenize_pairs
 
 REQUIRED_COLUMNS = ("prompt", "chosen", "rejected", "margin", "components")
 
@@ -61,11 +60,6 @@ def load_preferences(
                 raise ValueError(f"{path}: component '{name}' is configured but no pair carries its label")
     return examples
 
-
-def epoch_order(num_examples: int, seed: int, epoch: int) -> np.ndarray:
-    """The shuffled example order of an epoch: a function of (seed, epoch) only, so a resumed
-    run finds its place from the epoch and the step within it."""
-    return np.random.default_rng([seed, epoch]).permutation(num_examples)
 
 
 def collate_pairs(examples: Sequence[PreferenceExample]) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:

@@ -1,0 +1,165 @@
+"""One optimizer step of the actor or the critic over a PPO mini-batch (this rank's share).
+
+Losses are token-means over the whole mini-batch across ranks: each micro-batch's summed loss
+is scaled by ``world_size / global_tokens`` (engine/data/batching.py), so the update does not depend
+on how the mini-batch was cut into micro-batches or spread over ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, NamedTuple
+
+import torch
+
+from engine.data.batching import token_mean_scale
+from engine.data.packing import PackedBatch, dummy_forward_loss, pack_sequences, packed_forward
+from engine.ppo.experience import Experience, packed_micro_batches, pad_right, response_logprobs, response_values
+from engine.ppo.losses import PolicyLoss, clipped_policy_loss, clipped_value_loss, dual_clip_policy_loss, kl_penalty
+from engine.runtime.distributed import all_reduce
+
+
+@dataclass(frozen=True)
+class PolicyLossSettings:
+    clip_low: float
+    clip_high: float
+    clip_ratio_c: float | None  # dual clip when set
+    kl_loss_coef: float
+    kl_estimator: str
+    entropy_coef: float
+
+    def policy_loss(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor) -> PolicyLoss:
+        """The configured surrogate: clipped, or dual-clip when ``clip_ratio_c`` is set."""
+        if self.clip_ratio_c is None:
+            return clipped_policy_loss(logprobs, old_logprobs, advantages, self.clip_low, self.clip_high)
+        return dual_clip_policy_loss(logprobs, old_logprobs, advantages, self.clip_low, self.clip_high, self.clip_ratio_c)
+
+
+class ActorLoss(NamedTuple):
+    per_token: torch.Tensor  # (b, T) what is minimised: aggregate as (per_token * mask).sum() * token_mean_scale(...)
+    pg: PolicyLoss  # the surrogate and where its clips were active
+    kl: torch.Tensor | None  # (b, T) KL(new || ref) estimate of the KL loss (None without one)
+
+
+def actor_token_loss(logprobs: torch.Tensor, entropy: torch.Tensor, mb: Experience, settings: PolicyLossSettings) -> ActorLoss:
+    """Per-token actor loss: policy surrogate [+ kl_loss_coef * KL(new || ref)] [- entropy_coef * entropy]."""
+    pg = settings.policy_loss(logprobs, mb.old_logprobs, mb.advantages)
+    per_token = pg.loss - settings.entropy_coef * entropy if settings.entropy_coef else pg.loss
+    kl = kl_penalty(logprobs, mb.ref_logprobs, settings.kl_estimator) if settings.kl_loss_coef else None
+    if kl is not None:
+        per_token = per_token + settings.kl_loss_coef * kl
+    return ActorLoss(per_token, pg, kl)
+
+
+def actor_metric_names(settings: PolicyLossSettings) -> list[str]:
+    """The token-mean statistics of an actor step: the surrogate, its clip fractions, approx KL to
+    the rollout policy, entropy, and the dual-clip fraction and KL-loss term when those are on."""
+    return ["pg_loss", "clipfrac", "approx_kl", "entropy"] + ["dual_clipfrac"] * (settings.clip_ratio_c is not None) + [
+        "kl_loss"] * bool(settings.kl_loss_coef)
+
+
+def _micro_batches(engine, batch: Experience, max_tokens: int, pad_id: int) -> Iterator[tuple[Experience, PackedBatch]]:
+    """This rank's packed micro-batches; a dummy one (no samples left here) runs its zero-loss
+    forward/backward inside, so every rank makes the same number of ZeRO collectives."""
+    for micro in packed_micro_batches([len(s) for s in batch.sequences], max_tokens):
+        if not micro:
+            engine.backward(dummy_forward_loss(engine, pad_id))
+            continue
+        mb = batch.select(micro)
+        yield mb, pack_sequences(mb.sequences, pad_id)
+
+
+def global_token_count(mask: torch.Tensor) -> int:
+    count = mask.sum().reshape(1).long()
+    all_reduce(count)
+    return int(count.item())
+
+
+def actor_step(
+    engine, batch: Experience, settings: PolicyLossSettings, max_tokens: int, pad_id: int, poison: bool = False
+) -> dict[str, float]:
+    """Clipped (or dual-clip) PPO policy loss [+ KL loss - entropy bonus]; returns summed stats.
+    ``poison`` multiplies the loss by NaN (fault injection, engine/runtime/faults.py)."""
+    world = torch.distributed.get_world_size()
+    scale = token_mean_scale(global_token_count(batch.mask), world)
+    names = actor_metric_names(settings)
+    sums = torch.zeros(len(names) + 1, dtype=torch.float64)  # token sums of each statistic, then the token count
+    for mb, packed in _micro_batches(engine, batch, max_tokens, pad_id):
+        T = mb.mask.shape[1]
+        logprobs, entropy = response_logprobs(engine, packed, mb.prompt_lens, with_entropy=True, entropy_grad=settings.entropy_coef != 0)
+        logprobs, entropy = pad_right(logprobs, T), pad_right(entropy, T)  # (b, T) each
+        loss = actor_token_loss(logprobs, entropy, mb, settings)
+        mask = mb.mask.float()
+        engine.backward((loss.per_token * mask).sum() * (float("nan") if poison else scale))
+        with torch.no_grad():
+            approx_kl = 0.5 * (logprobs - mb.old_logprobs) ** 2  # Schulman's k2 of KL(old || new)
+            per_token = [loss.pg.loss, loss.pg.clipped.float(), approx_kl, entropy]
+            per_token += [t for t in (loss.pg.capped, loss.kl) if t is not None]
+            sums += torch.stack([(t.float() * mask).sum() for t in per_token] + [mask.sum()]).double()
+    engine.step()
+    return _means(sums, names)
+
+
+def critic_step(
+    engine, batch: Experience, value_weights: torch.Tensor, value_clip: float, max_tokens: int, pad_id: int
+) -> dict[str, float]:
+    """Clipped value loss around the rollout's values; returns summed stats."""
+    world = torch.distributed.get_world_size()
+    scale = token_mean_scale(global_token_count(batch.mask), world)
+    sums = torch.zeros(4, dtype=torch.float64)  # vf_loss, clipped tokens, value, tokens
+    for mb, packed in _micro_batches(engine, batch, max_tokens, pad_id):
+        values = pad_right(response_values(packed_forward(engine, packed), packed, mb.prompt_lens, value_weights), mb.mask.shape[1])
+        vf = clipped_value_loss(values, mb.old_values, mb.returns, value_clip)
+        mask = mb.mask.float()
+        engine.backward((vf.loss * mask).sum() * scale)
+        with torch.no_grad():
+            sums += torch.stack([(vf.loss * mask).sum(), (vf.clipped.float() * mask).sum(), (values * mask).sum(), mask.sum()]).double()
+    engine.step()
+    return _means(sums, ["vf_loss", "vf_clipfrac", "value_mean"])
+
+
+def _means(sums: torch.Tensor, names: list[str]) -> dict[str, float]:
+    """Token-means over all ranks: the last entry of ``sums`` is the token count."""
+    all_reduce(sums)
+    tokens = max(sums[-1].item(), 1.0)
+    return {name: sums[i].item() / tokens for i, name in enumerate(names)}
+
+
+def update_on_rollout(
+    actor,
+    critic,
+    exp: Experience,
+    *,
+    settings: PolicyLossSettings,
+    value_weights: torch.Tensor,
+    value_clip: float,
+    ppo_epochs: int,
+    mini_batch_size: int,
+    max_tokens: int,
+    pad_id: int,
+    train_actor: bool,
+    seed: int,
+    poison: bool,
+    after_step: Callable[[object, str], None],
+) -> dict[str, float]:
+    """``ppo_epochs`` passes over this rank's rollout in shuffled mini-batches of
+    ``mini_batch_size`` sequences over all ranks (the same shuffle for a given ``seed``): a critic
+    step, then an actor step unless ``train_actor`` is false (critic warm-up).
+    ``after_step(engine, name)`` runs after each optimizer step (the non-finite guard). Returns
+    each statistic's mean over the mini-batches."""
+    actor.train(), critic.train()
+    local_mb = mini_batch_size // torch.distributed.get_world_size()
+    generator = torch.Generator().manual_seed(seed)
+    stats: dict[str, list[float]] = {}
+    for _ in range(ppo_epochs):
+        perm = torch.randperm(len(exp.sequences), generator=generator).tolist()
+        for k in range(0, len(perm), local_mb):
+            mb = exp.select(perm[k : k + local_mb])
+            step_stats = critic_step(critic, mb, value_weights, value_clip, max_tokens, pad_id)
+            after_step(critic, "critic")
+            if train_actor:
+                step_stats |= actor_step(actor, mb, settings, max_tokens, pad_id, poison)
+                after_step(actor, "actor")
+            for key, value in step_stats.items():
+                stats.setdefault(key, []).append(value)
+    return {key: sum(values) / len(values) for key, values in stats.items()}

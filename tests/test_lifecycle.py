@@ -1,0 +1,208 @@
+"""engine/runtime/lifecycle.py: refusals that protect a run, the resume registry, rollback restore.
+
+Unit tests run a real DeepSpeed engine (a tiny linear model, ZeRO-2) in this process; the
+refusals are also checked through the real launcher on a finished train_rm.py run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import launch, metric_series, read_events
+
+from engine.config import DS_CONFIGS_DIR
+from engine.runtime.guards import RollbackGuard, Stateful
+from engine.runtime.launch import RunArgs, RunRefused
+from engine.runtime.lifecycle import RunLifecycle, existing_run
+
+
+@dataclass
+class Counter(Stateful):
+    value: int = 0
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, str]]:
+    """Every file under ``root`` with its size and content hash."""
+    return {str(p.relative_to(root)): (p.stat().st_size, hashlib.sha1(p.read_bytes()).hexdigest())
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def make_engine(seed: int):
+    from engine.runtime.deepspeed_glue import initialize_training_engine, training_ds_config
+
+    torch.manual_seed(seed)
+    with open(os.path.join(DS_CONFIGS_DIR, "tiny_cpu_zero2.json")) as f:
+        ds_config = training_ds_config(json.load(f), bf16=False)
+    return initialize_training_engine(torch.nn.Linear(4, 3), ds_config, lr=0.1, betas=(0.9, 0.999), weight_decay=0.0,
+                                      lr_scheduler="constant", warmup_steps=0, total_steps=100)
+
+
+def make_run(out: Path, resume: bool = False, overwrite: bool = False, every_steps: int = 2) -> RunLifecycle:
+    return RunLifecycle(output_dir=str(out), run_args=RunArgs(resume, overwrite, allow_config_change=False, dry_run=False),
+                        identity={"model": "linear"}, export_dir="model", keep_last=5, every_steps=every_steps)
+
+
+def start(run: RunLifecycle, engine) -> None:
+    run.start(engines={"model": engine}, lr_engine=engine, export_engine=engine, config={"test": True}, total_steps=10,
+              use_tensorboard=False, use_wandb=False, wandb_project="test", progress_bar=False, desc="test")
+
+
+def train_step(run: RunLifecycle, engine) -> None:
+    engine.backward(engine(torch.randn(8, 4)).pow(2).sum())  # random inputs: the RNG state matters
+    engine.step()
+    run.step += 1
+    run.log({"loss": float(run.step)})
+
+
+def weights(engine) -> torch.Tensor:
+    return engine.module.weight.detach().clone()
+
+
+def test_registry_round_trip_resumes_engine_state_rngs_lr_scale_and_metrics(deepspeed_ready, tmp_path):
+    engine, counter, kl = make_engine(0), Counter(), Counter()
+    run = make_run(tmp_path / "run")
+    run.track("counter", counter, rolls_back=False)
+    run.track("kl", kl, rolls_back=True)
+    start(run, engine)
+    for step in range(1, 5):
+        train_step(run, engine)
+        counter.value, kl.value = 10 * step, 100 * step
+        if step == 3:
+            run.scale_lr(0.5)
+        run.end_of_step()  # checkpoints at 2 and 4
+    expected_weights, expected_draw = weights(engine), torch.rand(3)
+    lines_before = (tmp_path / "run" / "metrics.jsonl").read_bytes()
+    train_step(run, engine)  # step 5, logged after the last checkpoint
+    run.finish(0, "stopped")
+
+    engine2, counter2, kl2 = make_engine(1), Counter(), Counter()
+    assert not torch.equal(weights(engine2), expected_weights)
+    resumed = make_run(tmp_path / "run", resume=True)
+    assert resumed.resume_from == str(tmp_path / "run" / "checkpoints" / "step00000004")
+    resumed.track("counter", counter2, rolls_back=False)
+    resumed.track("kl", kl2, rolls_back=True)
+    start(resumed, engine2)
+    assert resumed.step == 4 and counter2.value == 40 and kl2.value == 400 and resumed.lr_scale == 0.5
+    assert torch.equal(weights(engine2), expected_weights)
+    assert engine2.get_lr() == [0.05]
+    assert torch.equal(torch.rand(3), expected_draw)  # the RNG continues where the checkpoint left it
+    assert (tmp_path / "run" / "metrics.jsonl").read_bytes() == lines_before  # step 5 rewound, 1-4 byte for byte
+    resumed.finish(0, "done")
+
+
+def test_rollback_restores_what_rolls_back_scales_the_lr_and_drops_the_abandoned_branch(deepspeed_ready, tmp_path):
+    engine, guard_count, kl = make_engine(0), Counter(), Counter()
+    run = make_run(tmp_path / "run", every_steps=3)
+    run.track("guard_count", guard_count, rolls_back=False)
+    run.track("kl", kl, rolls_back=True)
+    rollback = RollbackGuard(max_drop=0.1, min_drop=0.0, max_rollbacks=1)
+    run.track_rollback(rollback, lr_factor=0.5)
+    synced = []
+    run.after_restore(lambda: synced.append(run.step))
+    start(run, engine)
+    run.first_evaluation(1.0)
+    assert run.last_good.endswith("step00000000")
+    rewards = {2: 1.2, 4: 0.5}  # a good evaluation at 2; a drop at 4
+    for step in range(1, 5):
+        train_step(run, engine)
+        guard_count.value, kl.value = step, 100 * step
+        if step == 2:
+            at_two = weights(engine)
+        evaluated = step in rewards
+        if evaluated and run.rolled_back(rewards[step]):
+            break
+        run.end_of_step(good=evaluated)  # good checkpoint at 2, periodic one at 3
+    assert run.step == 2 and synced == [2]
+    assert kl.value == 200 and guard_count.value == 4  # the KL controller rolls back, a guard's counts do not
+    assert torch.equal(weights(engine), at_two) and engine.get_lr() == [0.05] and run.lr_scale == 0.5
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step00000000", "step00000002"]  # step 3 abandoned
+    assert (checkpoints / "latest").read_text().strip() == "step00000002"
+    assert sorted(metric_series(tmp_path / "run", "loss")) == [1, 2]
+    [event] = read_events(tmp_path / "run")
+    assert event["event"] == "rollback" and event["step"] == 4 and event["to_step"] == 2
+    assert "rolled back to" in event["message"] and "LR scale 0.5 (rollback 1 of 1)" in event["message"]
+    run.finish(0, "done")
+
+
+def test_refusals_leave_the_directory_as_it_was(tmp_path):
+    run_dir = tmp_path / "run"
+    assert existing_run(str(run_dir), "model") == []
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("")
+    assert existing_run(str(run_dir), "model") == []  # empty files and folders are not a run
+    make_run(run_dir)  # so a fresh run may start there
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run_dir / "model").mkdir()
+    (run_dir / "model" / "model.safetensors").write_bytes(b"w")
+    before = snapshot(run_dir)
+    with pytest.raises(RunRefused, match=r"already holds a run \(metrics.jsonl, model\).*--resume.*--overwrite") as refused:
+        make_run(run_dir)
+    assert refused.value.kind == "output"
+    with pytest.raises(RunRefused, match=f"nothing to resume: no checkpoint in {run_dir}/checkpoints.*with --overwrite"):
+        make_run(run_dir, resume=True)
+    assert snapshot(run_dir) == before
+    assert make_run(run_dir, overwrite=True).resume_from is None  # allowed; nothing removed before start()
+    assert snapshot(run_dir) == before
+
+
+# --- through the launcher, on a finished train_rm.py run ----------------------------------------
+
+
+@pytest.fixture
+def finished_run(rm_run, tmp_path) -> tuple[Path, Path]:
+    """A copy of the finished one-rank RM run and its config pointing at the copy."""
+    root, _ = rm_run
+    run = tmp_path / "run"
+    shutil.copytree(root / "run", run)
+    config = json.loads((root / "rm.json").read_text())
+    config["logging"]["output_dir"] = str(run)
+    (tmp_path / "rm.json").write_text(json.dumps(config))
+    return run, tmp_path / "rm.json"
+
+
+def test_a_fresh_run_into_a_finished_run_is_refused_and_changes_nothing(finished_run):
+    run, config = finished_run
+    before = snapshot(run)
+    refused = launch("train_rm.py", config, check=False)
+    assert refused.returncode != 0
+    assert f"output error: {run} already holds a run (metrics.jsonl" in refused.stderr
+    assert "Continue it with --resume, replace it with --overwrite" in refused.stderr
+    assert snapshot(run) == before
+    both = launch("train_rm.py", config, "--resume", "--overwrite", check=False)
+    assert both.returncode != 0 and "not allowed with argument" in both.stderr
+
+
+def test_resume_without_a_usable_checkpoint_is_refused_and_changes_nothing(finished_run):
+    run, config = finished_run
+    for shard in (run / "checkpoints").rglob("*.pt"):  # every checkpoint damaged
+        shard.write_bytes(shard.read_bytes()[:-10])
+    before = snapshot(run)
+    refused = launch("train_rm.py", config, "--resume", check=False)
+    assert refused.returncode != 0
+    assert f"resume error: nothing to resume: 2 checkpoint(s) in {run}/checkpoints, all damaged" in refused.stderr
+    assert snapshot(run) == before
+    shutil.rmtree(run / "checkpoints")
+    before = snapshot(run)
+    refused = launch("train_rm.py", config, "--resume", check=False)
+    assert f"resume error: nothing to resume: no checkpoint in {run}/checkpoints" in refused.stderr
+    assert "with --overwrite (this replaces the run there)" in refused.stderr
+    assert snapshot(run) == before
+
+
+def test_overwrite_replaces_the_run(finished_run, tiny_model_dir, rm_data):
+    run, config = finished_run
+    old_model = (run / "model" / "model.safetensors").read_bytes()
+    (run / "notes.txt").write_text("the user's own file")
+    launch("train_rm.py", config, "--overwrite", "--train.max_steps", "3", "--checkpoint.every_steps", "0")
+    assert sorted(metric_series(run, "rm/loss")) == [1, 2, 3]
+    assert not (run / "checkpoints").exists()  # the old run's checkpoints went with it
+    assert (run / "model" / "model.safetensors").read_bytes() != old_model
+    assert (run / "notes.txt").read_text() == "the user's own file"  # only what a run writes is replaced

@@ -1,0 +1,126 @@
+"""engine/ppo/update.py: the actor and critic losses are token-means over the whole mini-batch,
+whatever its cut into micro-batches and ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+from engine.config import DS_CONFIGS_DIR
+from engine.data.batching import token_mean_scale
+from engine.ppo.experience import Experience, pad_right
+from engine.ppo.losses import kl_penalty
+from engine.ppo.update import PolicyLossSettings, actor_step, actor_token_loss, critic_step
+
+SETTINGS = PolicyLossSettings(clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0, kl_loss_coef=0.1, kl_estimator="k3", entropy_coef=0.01)
+RESPONSE_LENS = [5, 1, 9, 3, 7, 2, 6, 4]
+
+
+def random_experience(vocab: int, seed: int = 0) -> Experience:
+    """Eight sequences (prompt 3-5 tokens, responses of RESPONSE_LENS) with random rollout values."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(4, vocab, (3 + i % 3,), generator=g).tolist() for i in range(len(RESPONSE_LENS))]
+    responses = [torch.randint(4, vocab, (n,), generator=g).tolist() for n in RESPONSE_LENS]
+    B, T = len(RESPONSE_LENS), max(RESPONSE_LENS)
+    mask = pad_right([torch.ones(n, dtype=torch.bool) for n in RESPONSE_LENS], T)
+    rand = lambda scale=1.0: torch.randn(B, T, generator=g) * scale * mask  # noqa: E731
+    return Experience(
+        sequences=[p + r for p, r in zip(prompts, responses)], prompt_lens=[len(p) for p in prompts], mask=mask,
+        old_logprobs=rand(0.5) - 3.0 * mask, ref_logprobs=rand(0.5) - 3.0 * mask, old_values=rand(), advantages=rand(),
+        returns=rand(), scores=torch.randn(B, generator=g), kl=rand(0.1),
+    )
+
+
+def test_actor_loss_is_a_token_mean_over_the_mini_batch_whatever_the_split():
+    """OpenRLHF-style fake ranks: each rank scales its micro-batch sums by token_mean_scale(global
+    tokens, world) and DeepSpeed averages the ranks' gradients; the result is the gradient of the
+    full mini-batch's token-mean, for any cut into ranks and micro-batches."""
+    exp = random_experience(vocab=50)
+    g = torch.Generator().manual_seed(1)
+    new_logprobs = (exp.old_logprobs + 0.3 * torch.randn(exp.mask.shape, generator=g) * exp.mask).requires_grad_()
+    entropy = (torch.rand(exp.mask.shape, generator=g) * exp.mask).requires_grad_()
+    mask = exp.mask.float()
+    N = int(exp.mask.sum())
+
+    per_token = actor_token_loss(new_logprobs, entropy, exp, SETTINGS).per_token
+    ((per_token * mask).sum() / N).backward()
+    want = new_logprobs.grad.clone(), entropy.grad.clone()
+
+    # 3 ranks with uneven shares, cut into micro-batches of 1-3 sequences.
+    ranks = [[[0, 1], [2]], [[3], [4, 5, 6]], [[7]]]
+    grads = torch.zeros_like(new_logprobs), torch.zeros_like(entropy)
+    for rank in ranks:
+        new_logprobs.grad, entropy.grad = None, None
+        for micro in rank:
+            mb, rows = exp.select(micro), torch.tensor(micro)
+            per_token = actor_token_loss(new_logprobs[rows], entropy[rows], mb, SETTINGS).per_token
+            ((per_token * mb.mask.float()).sum() * token_mean_scale(N, len(ranks))).backward()
+        grads[0].add_(new_logprobs.grad / len(ranks))  # DeepSpeed's gradient all-reduce averages over ranks
+        grads[1].add_(entropy.grad / len(ranks))
+    torch.testing.assert_close(grads[0], want[0], atol=1e-7, rtol=1e-6)
+    torch.testing.assert_close(grads[1], want[1], atol=1e-7, rtol=1e-6)
+    assert want[1][exp.mask].allclose(torch.tensor(-SETTINGS.entropy_coef / N))  # the entropy bonus is in the loss
+
+
+def test_each_setting_changes_its_term_of_the_actor_loss():
+    exp = random_experience(vocab=50)
+    logprobs, entropy = exp.old_logprobs + 2.0 * exp.mask, torch.rand(exp.mask.shape) * exp.mask  # ratio e^2 ~ 7.4 > 3
+    plain = PolicyLossSettings(clip_low=0.2, clip_high=0.28, clip_ratio_c=None, kl_loss_coef=0.0, kl_estimator="k3", entropy_coef=0.0)
+    base = actor_token_loss(logprobs, entropy, exp, plain)
+    assert base.kl is None and base.pg.capped is None
+    negative = (exp.advantages < 0) & exp.mask
+    dual = actor_token_loss(logprobs, entropy, exp, replace(plain, clip_ratio_c=3.0))
+    assert torch.equal(dual.pg.capped, exp.advantages < 0)  # every negative-advantage token is past the cap
+    assert (dual.per_token[negative] < base.per_token[negative]).all()
+    assert torch.equal(dual.per_token[exp.mask & ~negative], base.per_token[exp.mask & ~negative])
+    kl = actor_token_loss(logprobs, entropy, exp, replace(plain, kl_loss_coef=0.1))
+    torch.testing.assert_close(kl.kl, kl_penalty(logprobs, exp.ref_logprobs, "k3"))
+    torch.testing.assert_close(kl.per_token, base.per_token + 0.1 * kl.kl)
+    bonus = actor_token_loss(logprobs, entropy, exp, replace(plain, entropy_coef=0.01))
+    torch.testing.assert_close(bonus.per_token, base.per_token - 0.01 * entropy)
+
+
+def make_engines(tiny_model_dir, seed: int):
+    from engine.runtime.deepspeed_glue import initialize_training_engine, training_ds_config
+    from engine.runtime.models import load_causal_lm, load_value_model
+
+    with open(os.path.join(DS_CONFIGS_DIR, "tiny_cpu_zero2.json")) as f:
+        ds_config = training_ds_config(json.load(f), bf16=False)
+    optim = dict(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, lr_scheduler="constant", warmup_steps=0, total_steps=10)
+    torch.manual_seed(seed)
+    actor = initialize_training_engine(load_causal_lm(str(tiny_model_dir)), ds_config, **optim)
+    torch.manual_seed(seed)
+    critic = initialize_training_engine(load_value_model(str(tiny_model_dir), ["value"]), ds_config, **optim)
+    return actor, critic
+
+
+def parameters(engine) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in engine.module.parameters()]
+
+
+@pytest.mark.parametrize("max_tokens", [14, 24])
+def test_real_steps_do_not_depend_on_the_micro_batch_budget(deepspeed_ready, tiny_model_dir, max_tokens):
+    """actor_step and critic_step on real DeepSpeed engines: one micro-batch, or many of at most
+    ``max_tokens`` tokens, give the same update and the same statistics."""
+    results = []
+    for budget in (1000, max_tokens):
+        actor, critic = make_engines(tiny_model_dir, seed=0)
+        exp = random_experience(actor.module.config.vocab_size)
+        stats = actor_step(actor, exp, SETTINGS, budget, pad_id=0)
+        stats |= critic_step(critic, exp, torch.ones(1), value_clip=0.2, max_tokens=budget, pad_id=0)
+        # The gradient norm (before clipping) shows the loss scale; Adam's first step hides it.
+        stats |= {"actor_grad_norm": float(actor.get_global_grad_norm()), "critic_grad_norm": float(critic.get_global_grad_norm())}
+        results.append((stats, parameters(actor), parameters(critic)))
+    (one_stats, one_actor, one_critic), (many_stats, many_actor, many_critic) = results
+    assert one_stats.keys() == many_stats.keys()
+    assert all(one_stats[k] == pytest.approx(many_stats[k], rel=1e-5, abs=1e-7) for k in one_stats), (one_stats, many_stats)
+    # Adam's first step is ~lr * sign(grad): a gradient within float noise of 0 may move its weight
+    # differently, so the weights agree on average to 1e-9 and everywhere to a tenth of the lr (1e-3).
+    for a, b in zip(one_actor + one_critic, many_actor + many_critic):
+        assert (a - b).abs().mean() < 1e-9 and (a - b).abs().max() < 1e-4
+    start, _ = make_engines(tiny_model_dir, seed=0)
+    assert any(not torch.equal(a, b) for a, b in zip(parameters(start), one_actor))  # the step did move the actor
