@@ -1,10 +1,12 @@
 """Typed run configs: one JSON file per run, loaded into dataclasses, with dotted overrides.
 
 A config class is a tree of dataclasses whose fields are made with :func:`option` (a type, a
-default and a one-line description), :func:`required` (no default) and :func:`section` (a
-nested dataclass). :func:`load_config` reads the JSON file, applies
+default, a one-line description and, for numbers, the range of allowed values), :func:`required`
+(no default) and :func:`section` (a nested dataclass). :func:`load_config` reads the JSON file, applies
 command-line overrides such as ``--ppo.clip_ratio 0.2``, and builds the tree, rejecting
-unknown keys and wrong types with a message naming the file and the dotted key. A field named
+unknown keys, wrong types and values out of range with a message naming the file and the dotted
+key. :func:`json_schema` exports the same rules as a JSON Schema (``ds_configs/schema/``) that
+editors use to validate and complete config files. A field named
 ``deepspeed`` typed ``dict`` may be given inline or as a path to a JSON file (relative to the
 config file, or to the project's ``ds_configs/``). Cross-field checks live in each class's
 ``__post_init__`` and raise :class:`ConfigError` with the values involved.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import types
 import typing
@@ -28,11 +31,15 @@ class ConfigError(ValueError):
     """A config that cannot be used; the message names the file and the key."""
 
 
-def option(default: Any, help: str) -> Any:
-    """A config field with its default and one-line description (mutable defaults are copied)."""
+def option(default: Any, help: str, *, gt: float | None = None, ge: float | None = None, lt: float | None = None,
+           le: float | None = None) -> Any:
+    """A config field with its default, one-line description and, for a number, its allowed range
+    (``gt``/``ge``: exclusive/inclusive lower bound, ``lt``/``le``: upper; None, when the type allows
+    it, is always accepted). Mutable defaults are copied."""
+    metadata = {"help": help, "range": {k: v for k, v in (("gt", gt), ("ge", ge), ("lt", lt), ("le", le)) if v is not None}}
     if isinstance(default, (list, dict)):
-        return dataclasses.field(default_factory=lambda: json.loads(json.dumps(default)), metadata={"help": help})
-    return dataclasses.field(default=default, metadata={"help": help})
+        return dataclasses.field(default_factory=lambda: json.loads(json.dumps(default)), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def required(help: str) -> Any:
@@ -125,6 +132,8 @@ def _build(cls: type, data: Any, prefix: str, base_dir: str) -> Any:
         raise ConfigError(f"'{prefix.rstrip('.') or '<top>'}' must be an object, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
+        if key == "$schema":  # an editor's pointer to ds_configs/schema/ (json_schema)
+            continue
         if key not in fields:
             raise ConfigError(f"unknown key '{prefix}{key}'{_suggest(key, fields, prefix.rstrip('.'))}")
     hints = typing.get_type_hints(cls)
@@ -138,6 +147,7 @@ def _build(cls: type, data: Any, prefix: str, base_dir: str) -> Any:
                 kwargs[name] = _load_deepspeed_file(data[name], key, base_dir)
             else:
                 kwargs[name] = _convert(hints[name], data[name], key, base_dir)
+                _check_range(kwargs[name], f.metadata.get("range", {}), key)
     try:
         return cls(**kwargs)
     except ConfigError as e:
@@ -171,12 +181,25 @@ def _convert(tp: Any, value: Any, key: str, base_dir: str) -> Any:
         _check(isinstance(value, int) and not isinstance(value, bool), key, "an integer", value)
     elif tp is float:
         _check(isinstance(value, (int, float)) and not isinstance(value, bool), key, "a number", value)
+        _check(math.isfinite(value), key, "a finite number", value)
         return float(value)
     elif tp is str:
         _check(isinstance(value, str), key, "a string", value)
     else:
         raise TypeError(f"config field '{key}' has an unsupported type {tp!r}")
     return value
+
+
+_BOUNDS = {"gt": (">", float.__gt__), "ge": (">=", float.__ge__), "lt": ("<", float.__lt__), "le": ("<=", float.__le__)}
+
+
+def _check_range(value: Any, bounds: dict[str, float], key: str) -> None:
+    """A number (or each number of a list, each value of an object) within the field's declared range."""
+    values = value if isinstance(value, list) else list(value.values()) if isinstance(value, dict) else [value]
+    for v in values:
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not all(ok(float(v), b) for name, b in bounds.items()
+                                                                                  for _, ok in [_BOUNDS[name]]):
+            raise ConfigError(f"'{key}' must be {' and '.join(f'{_BOUNDS[n][0]} {b:g}' for n, b in bounds.items())}, got {v!r}")
 
 
 def _check(ok: bool, key: str, expected: str, value: Any) -> None:
@@ -203,3 +226,42 @@ def _suggest(key: str, fields: dict[str, Any], section: str) -> str:
     where = f" in '{section}'" if section else ""
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     return f"{where}{hint}; known keys: {', '.join(fields)}"
+
+
+def json_schema(cls: type, title: str) -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of a config class: types, enums, ranges, defaults,
+    descriptions, required keys, and no other keys (what :func:`load_config` checks, but the
+    cross-field rules)."""
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": title, **_schema(cls, {})}
+
+
+def _schema(tp: Any, bounds: dict[str, float]) -> dict[str, Any]:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        hints, props, required_keys = typing.get_type_hints(tp), {"$schema": {"type": "string"}}, []
+        for f in dataclasses.fields(tp):
+            prop = _schema(hints[f.name], f.metadata.get("range", {}))
+            if f.name == "deepspeed":  # a file name is accepted too
+                prop = {"anyOf": [prop, {"type": "string"}]}
+            prop["description"] = f.metadata.get("help", "")
+            if f.default is not dataclasses.MISSING:
+                prop["default"] = f.default
+            elif f.default_factory is not dataclasses.MISSING and not dataclasses.is_dataclass(hints[f.name]):
+                prop["default"] = f.default_factory()
+            elif f.default_factory is dataclasses.MISSING:
+                required_keys.append(f.name)
+            props[f.name] = prop
+        return {"type": "object", "properties": props, "required": required_keys, "additionalProperties": False}
+    if origin in (Union, types.UnionType):
+        (inner,) = [a for a in args if a is not type(None)]
+        return {"anyOf": [_schema(inner, bounds), {"type": "null"}]}
+    if origin is Literal:
+        return {"enum": list(args)}
+    if origin is list:
+        return {"type": "array", "items": _schema(args[0], bounds)}
+    if origin is dict:
+        return {"type": "object", "additionalProperties": _schema(args[1], bounds)}
+    if tp in (int, float):
+        keyword = {"gt": "exclusiveMinimum", "ge": "minimum", "lt": "exclusiveMaximum", "le": "maximum"}
+        return {"type": "integer" if tp is int else "number", **{keyword[k]: v for k, v in bounds.items()}}
+    return {bool: {"type": "boolean"}, str: {"type": "string"}}.get(tp, {})

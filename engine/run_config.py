@@ -1,18 +1,29 @@
-"""The JSON config schema of the launched scripts (see engine/config.py for the loader)."""
+"""The JSON config schema of the launched scripts (see engine/config.py for the loader).
+
+    python -m engine.run_config [--out ds_configs/schema]
+
+writes it as JSON Schema files (``train_rm.schema.json``, ``train_ppo.schema.json``) for editors:
+a config that starts with ``"$schema": "schema/train_rm.schema.json"`` is validated and completed
+as it is typed.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from engine.config import ConfigError, option, required, section
+from engine.config import DS_CONFIGS_DIR, ConfigError, json_schema, option, required, section
+
+MAX_SEED = 2**31 - 1  # numpy seeds stay below 2**32; derived per-rank and per-iteration seeds must fit too
 
 
 @dataclass
 class ModelSection:
     path: str = required("HF checkpoint directory (or hub name) of the base model")
-    attn_implementation: str = option(
+    attn_implementation: Literal["auto", "sdpa_varlen", "flash_attention_2", "sdpa", "eager"] = option(
         "auto", "attention: auto (flash_attention_2 on a GPU with flash-attn and bf16, else sdpa_varlen), sdpa_varlen, flash_attention_2, sdpa, eager"
     )
     bf16: bool = option(False, "train in bf16 (DeepSpeed bf16 section is set to match)")
@@ -22,27 +33,21 @@ class ModelSection:
 
 @dataclass
 class OptimSection:
-    lr: float = option(1e-5, "peak learning rate")
-    weight_decay: float = option(0.0, "AdamW weight decay")
-    betas: list[float] = option([0.9, 0.95], "AdamW betas")
+    lr: float = option(1e-5, "peak learning rate", gt=0)
+    weight_decay: float = option(0.0, "AdamW weight decay", ge=0)
+    betas: list[float] = option([0.9, 0.95], "AdamW betas", ge=0, lt=1)
     lr_scheduler: Literal["cosine", "linear", "constant_with_warmup"] = option("cosine", "schedule after warm-up")
-    warmup_ratio: float = option(0.03, "fraction of the optimizer steps spent warming up linearly")
+    warmup_ratio: float = option(0.03, "fraction of the optimizer steps spent warming up linearly", ge=0, lt=1)
 
     def __post_init__(self):
         if len(self.betas) != 2:
             raise ConfigError(f"'betas' must have 2 values, got {self.betas}")
-        if not 0.0 <= self.warmup_ratio < 1.0:
-            raise ConfigError(f"'warmup_ratio' must be in [0, 1), got {self.warmup_ratio}")
 
 
 @dataclass
 class CheckpointSection:
-    every_steps: int = option(0, "save a resumable checkpoint every N optimizer steps (0: only at the end)")
-    keep_last: int = option(2, "how many checkpoints to keep")
-
-    def __post_init__(self):
-        if self.every_steps < 0 or self.keep_last < 1:
-            raise ConfigError(f"need every_steps >= 0 and keep_last >= 1, got {self.every_steps}, {self.keep_last}")
+    every_steps: int = option(0, "save a resumable checkpoint every N optimizer steps (0: only on a stop signal)", ge=0)
+    keep_last: int = option(2, "how many checkpoints to keep", ge=1)
 
 
 @dataclass
@@ -56,11 +61,7 @@ class LoggingSection:
 
 @dataclass
 class GuardsSection:
-    max_nonfinite_in_a_row: int = option(5, "abort after this many optimizer steps in a row discarded for a NaN/Inf loss or gradient")
-
-    def __post_init__(self):
-        if self.max_nonfinite_in_a_row < 1:
-            raise ConfigError(f"'max_nonfinite_in_a_row' must be >= 1, got {self.max_nonfinite_in_a_row}")
+    max_nonfinite_in_a_row: int = option(5, "abort after this many optimizer steps in a row discarded for a NaN/Inf loss or gradient", ge=1)
 
 
 @dataclass
@@ -73,8 +74,8 @@ class RMDataSection:
 @dataclass
 class RMSection:
     components: dict[str, float] = option({"reward": 1.0}, "reward components and their weights in the total")
-    total_loss_coef: float = option(1.0, "weight of the BT loss of the weighted total on the overall preference")
-    center_coef: float = option(0.0, "weight of the centering term mean((r_c + r_r)^2)")
+    total_loss_coef: float = option(1.0, "weight of the BT loss of the weighted total on the overall preference", ge=0)
+    center_coef: float = option(0.0, "weight of the centering term mean((r_c + r_r)^2)", ge=0)
 
     def __post_init__(self):
         if not self.components:
@@ -83,19 +84,12 @@ class RMSection:
 
 @dataclass
 class RMTrainSection:
-    epochs: int = option(1, "passes over the train pairs")
-    max_steps: int = option(0, "stop after this many optimizer steps (0: run all epochs)")
-    pairs_per_step: int = option(32, "pairs per optimizer step, over all ranks")
-    max_tokens_per_micro_batch: int = option(2048, "token budget of one packed forward on one rank")
-    eval_every_steps: int = option(0, "evaluate every N steps (0: only at the end)")
-    seed: int = option(0, "seed of data order and initialisation")
-
-    def __post_init__(self):
-        if self.epochs < 1 or self.pairs_per_step < 1 or self.max_tokens_per_micro_batch < 2:
-            raise ConfigError(
-                f"need epochs >= 1, pairs_per_step >= 1, max_tokens_per_micro_batch >= 2; got {self.epochs}, "
-                f"{self.pairs_per_step}, {self.max_tokens_per_micro_batch}"
-            )
+    epochs: int = option(1, "passes over the train pairs", ge=1)
+    max_steps: int = option(0, "stop after this many optimizer steps (0: run all epochs)", ge=0)
+    pairs_per_step: int = option(32, "pairs per optimizer step, over all ranks", ge=1)
+    max_tokens_per_micro_batch: int = option(2048, "token budget of one packed forward on one rank", ge=2)
+    eval_every_steps: int = option(0, "evaluate every N steps (0: only at the end)", ge=0)
+    seed: int = option(0, "seed of data order and initialisation", ge=0, le=MAX_SEED)
 
 
 @dataclass
@@ -117,7 +111,7 @@ class RewardModelConfig:
 class RewardModelSection:
     path: str = required("reward model directory (output of train_rm.py: model/)")
     normalize: bool = option(True, "standardise the score with the model's reward_stats.json mean/std")
-    clip: float = option(10.0, "clip the (normalised) score to [-clip, clip]")
+    clip: float = option(10.0, "clip the (normalised) score to [-clip, clip]", gt=0)
     rules: dict[str, float] = option({}, "extra rule-based reward components 'module:function' -> weight")
     no_eos_penalty: float = option(0.0, "added to the score of responses cut at max_new_tokens (e.g. -1.0)")
 
@@ -125,8 +119,8 @@ class RewardModelSection:
 @dataclass
 class CriticSection:
     init_from: Literal["reward_model", "actor"] = option("reward_model", "initial weights of the critic's backbone")
-    lr: float = option(5e-6, "critic learning rate (the schedule and betas follow 'optim')")
-    warmup_iterations: int = option(0, "first iterations train the critic only")
+    lr: float = option(5e-6, "critic learning rate (the schedule and betas follow 'optim')", gt=0)
+    warmup_iterations: int = option(0, "first iterations train the critic only", ge=0)
 
 
 @dataclass
@@ -138,78 +132,71 @@ class PPODataSection:
 @dataclass
 class RolloutSection:
     sampler: Literal["vllm", "hf"] = option("vllm", "colocated vLLM engine, or HF generate on the actor")
-    prompts_per_iteration: int = option(16, "prompts per iteration, over all ranks")
-    samples_per_prompt: int = option(1, "responses sampled per prompt")
-    temperature: float = option(1.0, "sampling temperature")
-    top_p: float = option(1.0, "nucleus sampling threshold")
-    max_new_tokens: int = option(64, "response length limit")
-    vllm_kv_cache_mb: int = option(128, "CPU: vLLM KV-cache size per rank")
-    vllm_max_model_len: int = option(1024, "vLLM context length (prompt + response)")
+    prompts_per_iteration: int = option(16, "prompts per iteration, over all ranks", ge=1)
+    samples_per_prompt: int = option(1, "responses sampled per prompt", ge=1)
+    temperature: float = option(1.0, "sampling temperature", gt=0)
+    top_p: float = option(1.0, "nucleus sampling threshold", gt=0, le=1)
+    max_new_tokens: int = option(64, "response length limit", ge=1)
+    vllm_kv_cache_mb: int = option(128, "CPU: vLLM KV-cache size per rank", ge=1)
+    vllm_max_model_len: int = option(1024, "vLLM context length (prompt + response)", ge=2)
     vllm_gpu_memory_utilization: float = option(
-        0.4, "GPU: share of the GPU's memory vLLM takes (weights + KV cache); it must be free when vLLM starts, after the engines"
+        0.4, "GPU: share of the GPU's memory vLLM takes (weights + KV cache); it must be free when vLLM starts, after the engines",
+        gt=0, lt=1,
     )
     vllm_sleep: bool = option(True, "GPU: vLLM sleeps (weights to CPU, KV cache freed) from each rollout until the next sync")
 
     def __post_init__(self):
-        if not 0 < self.vllm_gpu_memory_utilization < 1:
-            raise ConfigError(f"'vllm_gpu_memory_utilization' must be in (0, 1), got {self.vllm_gpu_memory_utilization}")
+        if self.sampler == "vllm" and self.max_new_tokens >= self.vllm_max_model_len:
+            raise ConfigError(f"'max_new_tokens' ({self.max_new_tokens}) must be below vllm_max_model_len ({self.vllm_max_model_len}), "
+                              "which also holds the prompt")
 
 
 @dataclass
 class PPOSection:
-    ppo_epochs: int = option(1, "passes over each rollout batch")
-    mini_batch_size: int = option(16, "samples per optimizer step, over all ranks")
-    max_tokens_per_micro_batch: int = option(2048, "token budget of one packed forward on one rank")
-    clip_ratio: float = option(0.2, "PPO clip range (lower side)")
-    clip_ratio_high: float | None = option(None, "upper clip range if asymmetric (None: clip_ratio)")
-    clip_ratio_c: float | None = option(None, "dual-clip bound for negative advantages, e.g. 3.0 (None: off)")
-    value_clip: float = option(0.2, "value-function clip range around the old values")
-    gamma: float = option(1.0, "discount")
-    lam: float = option(0.95, "GAE lambda")
+    ppo_epochs: int = option(1, "passes over each rollout batch", ge=1)
+    mini_batch_size: int = option(16, "samples per optimizer step, over all ranks", ge=1)
+    max_tokens_per_micro_batch: int = option(2048, "token budget of one packed forward on one rank", ge=2)
+    clip_ratio: float = option(0.2, "PPO clip range (lower side)", gt=0, lt=1)
+    clip_ratio_high: float | None = option(None, "upper clip range if asymmetric (None: clip_ratio)", gt=0)
+    clip_ratio_c: float | None = option(None, "dual-clip bound for negative advantages, e.g. 3.0 (None: off)", gt=1)
+    value_clip: float = option(0.2, "value-function clip range around the old values", gt=0)
+    gamma: float = option(1.0, "discount", ge=0, le=1)
+    lam: float = option(0.95, "GAE lambda", ge=0, le=1)
     kl_estimator: Literal["k1", "k2", "k3"] = option("k1", "KL estimator (k3 is non-negative)")
     use_kl_in_reward: bool = option(True, "subtract kl_coef * KL from the per-token reward")
-    kl_coef: float = option(0.05, "KL coefficient (initial value when adaptive)")
-    kl_target: float | None = option(None, "adaptive KL controller target (None: fixed kl_coef)")
-    kl_horizon: int = option(10000, "adaptive KL controller horizon, in samples")
-    kl_loss_coef: float = option(0.0, "weight of a KL loss term in the actor loss (GRPO style)")
-    entropy_coef: float = option(0.0, "entropy bonus in the actor loss")
+    kl_coef: float = option(0.05, "KL coefficient (initial value when adaptive)", ge=0)
+    kl_target: float | None = option(None, "adaptive KL controller target (None: fixed kl_coef)", gt=0)
+    kl_horizon: int = option(10000, "adaptive KL controller horizon, in samples", ge=1)
+    kl_loss_coef: float = option(0.0, "weight of a KL loss term in the actor loss (GRPO style)", ge=0)
+    entropy_coef: float = option(0.0, "entropy bonus in the actor loss", ge=0)
     whiten_advantages: bool = option(True, "standardise advantages over the rollout batch (all ranks)")
-
-    def __post_init__(self):
-        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
-            raise ConfigError(f"'clip_ratio_c' must be > 1 (e.g. 3.0), got {self.clip_ratio_c}")
 
 
 @dataclass
 class PPOTrainSection:
-    iterations: int = option(20, "rollout + update iterations")
-    eval_every: int = option(0, "score held-out prompts every N iterations (0: start and end only)")
-    seed: int = option(0, "seed of prompt order, sampling and initialisation")
+    iterations: int = option(20, "rollout + update iterations", ge=1)
+    eval_every: int = option(0, "score held-out prompts every N iterations (0: start and end only)", ge=0)
+    seed: int = option(0, "seed of prompt order, sampling and initialisation", ge=0, le=MAX_SEED)
 
 
 @dataclass
 class PPOGuardsSection(GuardsSection):
-    kl_ceiling: float | None = option(None, "rollout KL per token above which the actor LR is lowered (e.g. 0.1; None: off)")
-    kl_lr_factor: float = option(0.5, "multiply the actor LR by this each time the KL is above kl_ceiling")
+    kl_ceiling: float | None = option(None, "rollout KL per token above which the actor LR is lowered (e.g. 0.1; None: off)", gt=0)
+    kl_lr_factor: float = option(0.5, "multiply the actor LR by this each time the KL is above kl_ceiling", gt=0, le=1)
     rollback_drop: float | None = option(
-        None, "roll back when the held-out reward falls this fraction of |best| below the best (e.g. 0.05; None: off)"
+        None, "roll back when the held-out reward falls this fraction of |best| below the best (e.g. 0.05; None: off)", gt=0
     )
-    rollback_min_drop: float = option(0.0, "... and by at least this much (absolute; rewards near 0 make fractions noisy)")
-    rollback_lr_factor: float = option(0.5, "multiply the actor LR by this after a rollback")
-    max_rollbacks: int = option(2, "give up (exit 3) at the drop after this many rollbacks")
-
-    def __post_init__(self):
-        super().__post_init__()
-        if not (0 < self.kl_lr_factor <= 1 and 0 < self.rollback_lr_factor <= 1):
-            raise ConfigError(f"LR factors must be in (0, 1], got {self.kl_lr_factor}, {self.rollback_lr_factor}")
+    rollback_min_drop: float = option(0.0, "... and by at least this much (absolute; rewards near 0 make fractions noisy)", ge=0)
+    rollback_lr_factor: float = option(0.5, "multiply the actor LR by this after a rollback", gt=0, le=1)
+    max_rollbacks: int = option(2, "give up (exit 3) at the drop after this many rollbacks", ge=0)
 
 
 @dataclass
 class MonitorSection:
-    length_ratio_max: float = option(1.5, "flag when mean response length / the reference's exceeds this")
-    repeated_ngram_max: float = option(0.3, "flag when the fraction of repeated n-grams in responses exceeds this")
-    ngram: int = option(4, "n of the repeated n-gram monitor (in tokens)")
-    sample_rows: int = option(4, "held-out prompts whose responses go to samples.jsonl at each evaluation")
+    length_ratio_max: float = option(1.5, "flag when mean response length / the reference's exceeds this", gt=0)
+    repeated_ngram_max: float = option(0.3, "flag when the fraction of repeated n-grams in responses exceeds this", ge=0, le=1)
+    ngram: int = option(4, "n of the repeated n-gram monitor (in tokens)", ge=1)
+    sample_rows: int = option(4, "held-out prompts whose responses go to samples.jsonl at each evaluation", ge=0)
 
 
 @dataclass
@@ -239,6 +226,32 @@ class PPOConfig:
             raise ConfigError(f"rollout.prompts_per_iteration ({self.rollout.prompts_per_iteration}) must divide over {world} ranks")
         if rollout % self.ppo.mini_batch_size or self.ppo.mini_batch_size % world:
             raise ConfigError(
-                f"ppo.mini_batch_size ({self.ppo.mini_batch_size}) must divide the rollout batch "
-                f"({self.rollout.prompts_per_iteration} x {self.rollout.samples_per_prompt} = {rollout}) and be divisible by {world} ranks"
+                f"ppo.mini_batch_size ({self.ppo.mini_batch_size}) must divide the rollout batch, rollout.prompts_per_iteration x "
+                f"rollout.samples_per_prompt ({self.rollout.prompts_per_iteration} x {self.rollout.samples_per_prompt} = {rollout}), "
+                f"and be divisible by {world} ranks"
             )
+
+
+SCRIPT_CONFIGS = {"train_rm": RewardModelConfig, "train_ppo": PPOConfig}
+
+
+def schemas() -> dict[str, dict[str, Any]]:
+    """File name -> JSON Schema of each launched script's config."""
+    return {f"{name}.schema.json": json_schema(cls, f"train/{name}.py config") for name, cls in SCRIPT_CONFIGS.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="write the JSON Schemas of the scripts' configs")
+    parser.add_argument("--out", default=os.path.join(DS_CONFIGS_DIR, "schema"), help="folder for the .schema.json files")
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    for name, schema in schemas().items():
+        with open(os.path.join(args.out, name), "w") as f:
+            json.dump(schema, f, indent=1)
+            f.write("\n")
+        print(os.path.join(args.out, name))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

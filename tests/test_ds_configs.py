@@ -73,5 +73,5 @@ def test_ppo_gpu_options_are_checked(tmp_path):
     demo["rollout"]["vllm_gpu_memory_utilization"] = 1.5
     path = tmp_path / "ppo.json"
     path.write_text(json.dumps(demo))
-    with pytest.raises(ConfigError, match=r"ppo.json: .*'vllm_gpu_memory_utilization' must be in \(0, 1\), got 1.5"):
+    with pytest.raises(ConfigError, match=r"ppo.json: 'rollout.vllm_gpu_memory_utilization' must be > 0 and < 1, got 1.5"):
         load_config(run_config.PPOConfig, str(path))

@@ -1,0 +1,102 @@
+"""Every config field at its boundaries: built, or refused naming the file and the dotted key;
+the JSON Schema export agrees with the loader and ships with the project."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import typing
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from engine.config import DS_CONFIGS_DIR, ConfigError, build_config
+from engine.run_config import PPOConfig, RewardModelConfig, schemas
+
+DS = {"zero_optimization": {"stage": 3}}
+MINIMAL = {
+    RewardModelConfig: {"model": {"path": "m"}, "data": {"train": "t.parquet", "validation": "v.parquet"}, "deepspeed": DS},
+    PPOConfig: {"actor": {"path": "a"}, "reward_model": {"path": "r"}, "data": {"prompts": "p.parquet"}, "deepspeed": DS},
+}
+BOUNDARY_VALUES = [0, 1, -1, 2, 0.5, -0.5, 1e-300, 10**30, -(10**30), 1e308, float("nan"), float("inf"), "x", "", None, True, [], {},
+                   [0.9, 0.95], {"a": 1.0}]
+
+
+def leaf_fields(cls: type, prefix: str = "") -> list[str]:
+    """Dotted names of every non-section field of a config class."""
+    hints, out = typing.get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out += leaf_fields(hints[f.name], f"{prefix}{f.name}.")
+        elif f.name != "deepspeed":
+            out.append(prefix + f.name)
+    return out
+
+
+def with_value(base: dict, dotted: str, value) -> dict:
+    data = json.loads(json.dumps(base))
+    *sections, name = dotted.split(".")
+    node = data
+    for s in sections:
+        node = node.setdefault(s, {})
+    node[name] = value
+    return data
+
+
+CASES = [(cls, key, value) for cls in MINIMAL for key in leaf_fields(cls) for value in BOUNDARY_VALUES]
+
+
+@pytest.mark.parametrize("cls", list(MINIMAL), ids=lambda c: c.__name__)
+def test_every_field_at_every_boundary_builds_or_is_refused_by_name(cls):
+    schema = schemas()[f"{'train_rm' if cls is RewardModelConfig else 'train_ppo'}.schema.json"]
+    validator = jsonschema.Draft202012Validator(schema)
+    build_config(cls, MINIMAL[cls], source="run.json")  # the minimal config itself is valid
+    refused = 0
+    for key in leaf_fields(cls):
+        for value in BOUNDARY_VALUES:
+            data = with_value(MINIMAL[cls], key, value)
+            schema_ok = validator.is_valid(json.loads(json.dumps(data)))  # what an editor would say
+            try:
+                build_config(cls, data, source="run.json")
+            except ConfigError as e:
+                refused += 1
+                assert str(e).startswith("run.json: ") and key.split(".")[-1] in str(e), (key, value, str(e))
+            else:
+                assert schema_ok, f"the loader accepts {key}={value!r}, the schema does not"
+                assert not (isinstance(value, float) and not math.isfinite(value)), (key, value)
+    assert refused > len(leaf_fields(cls)) * 5  # most boundary values are wrong somewhere
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (("ppo.mini_batch_size", 0), "'ppo.mini_batch_size' must be >= 1, got 0"),
+        (("rollout.prompts_per_iteration", 0), "'rollout.prompts_per_iteration' must be >= 1, got 0"),
+        (("ppo.kl_target", 0), "'ppo.kl_target' must be > 0, got 0"),
+        (("optim.lr", -1e-5), "'optim.lr' must be > 0, got -1e-05"),
+        (("rollout.temperature", -1.0), "'rollout.temperature' must be > 0, got -1.0"),
+        (("ppo.clip_ratio", -0.2), "'ppo.clip_ratio' must be > 0 and < 1, got -0.2"),
+        (("ppo.lam", 1.5), "'ppo.lam' must be >= 0 and <= 1, got 1.5"),
+        (("optim.betas", [0.9, 1.0]), "'optim.betas' must be >= 0 and < 1, got 1.0"),
+        (("actor.attn_implementation", "flash"), "'actor.attn_implementation' must be one of ['auto', 'sdpa_varlen'"),
+        (("train.seed", 2**40), "'train.seed' must be >= 0 and <= 2.14748e+09, got 1099511627776"),
+        (("optim.lr", float("nan")), "'optim.lr' must be a finite number, got NaN"),
+        (("rollout.max_new_tokens", 2048), "'max_new_tokens' (2048) must be below vllm_max_model_len (1024)"),
+    ],
+)
+def test_values_that_once_crashed_are_refused_by_key(override, message):
+    with pytest.raises(ConfigError) as refused:
+        build_config(PPOConfig, with_value(MINIMAL[PPOConfig], *override), source="run.json")
+    assert message in str(refused.value)
+
+
+def test_shipped_schemas_are_current_and_accept_the_shipped_configs():
+    folder = Path(DS_CONFIGS_DIR) / "schema"
+    for name, schema in schemas().items():
+        assert json.loads((folder / name).read_text()) == schema, f"regenerate with: python -m engine.run_config ({name})"
+    for config in Path(DS_CONFIGS_DIR).glob("demo_*.json"):
+        data = json.loads(config.read_text())
+        schema = json.loads((config.parent / data["$schema"]).read_text())
+        jsonschema.Draft202012Validator(schema).validate(data)
