@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 from helpers import REPO, RM_STEPS, faults, launch, launcher_cmd, metric_series, start_launched, wait_for_step, workers, write_rm_config
@@ -76,6 +78,31 @@ def test_disk_full_at_save_time_is_a_clear_error_and_loses_nothing(tiny_model_di
     assert f"the previous checkpoint {checkpoints}/step00000020 is intact" in result.stderr
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step00000020"]  # no torn directory left
     assert (tmp_path / "run" / "report.html").exists()
+
+
+def test_a_real_write_failure_stops_every_rank_at_once_and_keeps_the_previous_checkpoint(tiny_model_dir, rm_data, tmp_path):
+    """The file system refuses for real: a 1 MiB file-size limit (RLIMIT_FSIZE) is hit by the
+    optimizer shards of the step-4 save; torch's writer raises RuntimeError inside DeepSpeed's save
+    on both ranks, and neither waits for a collective timeout."""
+    config = write_rm_config(tmp_path / "rm.json", tiny_model_dir, rm_data, tmp_path / "run", max_steps=3)
+    common = ["--checkpoint.every_steps", "2", "--logging.wandb", "false"]
+    launch("train_rm.py", config, *common, ranks=2)  # a checkpoint at step 2, the model at 3
+    checkpoints = tmp_path / "run" / "checkpoints"
+    before = {p: p.stat().st_size for p in (checkpoints / "step00000002").rglob("*")}
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))  # noqa: E731
+    start = time.monotonic()
+    failed = subprocess.run([*launcher_cmd(2), str(REPO / "train" / "train_rm.py"), "--config", str(config), *common, "--resume",
+                             "--train.max_steps", "6"], capture_output=True, text=True, timeout=300, cwd=REPO,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=limit)
+    assert failed.returncode != 0 and time.monotonic() - start < 120
+    output = failed.stdout + failed.stderr
+    assert f"checkpoint error: could not write checkpoint {checkpoints}/step00000004 (" in output, output[-3000:]
+    assert f"the previous checkpoint {checkpoints}/step00000002 is intact" in output
+    # Both ranks leave together (rank 0 after its report); the launcher then logs the first exit code.
+    assert "exits with return code = 2" in output and "Traceback" not in output
+    assert (tmp_path / "run" / "report.html").exists()
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step00000002"]  # no torn directory left
+    assert {p: p.stat().st_size for p in (checkpoints / "step00000002").rglob("*")} == before
 
 
 def test_damaged_newest_checkpoint_is_skipped(rm_run, tmp_path):

@@ -206,3 +206,34 @@ def test_overwrite_replaces_the_run(finished_run, tiny_model_dir, rm_data):
     assert not (run / "checkpoints").exists()  # the old run's checkpoints went with it
     assert (run / "model" / "model.safetensors").read_bytes() != old_model
     assert (run / "notes.txt").read_text() == "the user's own file"  # only what a run writes is replaced
+
+
+class RunsCode:
+    """What a planted checkpoint file would do when unpickled without weights_only."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_checkpoint_that_would_run_code_is_refused(deepspeed_ready, tmp_path):
+    from engine.runtime.checkpoint import _write_manifest
+
+    engine = make_engine(0)
+    run = make_run(tmp_path / "run")
+    start(run, engine)
+    train_step(run, engine)
+    checkpoint = Path(run.save())
+    run.finish(0, "saved")
+    marker = tmp_path / "code-ran"
+    shard = next((checkpoint / "model").glob("*model_states.pt"))
+    torch.save({"module": RunsCode(marker)}, shard)  # a planted file; the manifest is updated to match, as an attacker would
+    (checkpoint / "MANIFEST.json").unlink()
+    _write_manifest(str(checkpoint))
+    resumed = make_run(tmp_path / "run", resume=True)
+    assert resumed.resume_from == str(checkpoint)  # it looks complete
+    with pytest.raises(RunRefused, match=r"refused to load engine 'model'.*GLOBAL posix.system.*Resume from a checkpoint you trust"):
+        start(resumed, make_engine(1))
+    assert not marker.exists()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -30,6 +31,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+from deepspeed.runtime.fp16.loss_scaler import LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
 
 from engine.runtime import faults
 from engine.runtime.distributed import all_reduce
@@ -37,6 +42,39 @@ from engine.runtime.distributed import all_reduce
 MANIFEST = "MANIFEST.json"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step(\d{8})$")
+
+
+# The only non-tensor types in DeepSpeed 0.19's checkpoint files (ZeRO-1/2/3, fp32/bf16, offload),
+# found with torch.serialization.get_unsafe_globals_in_checkpoint.
+DEEPSPEED_STATE_TYPES = [LossScaler, ZeroStageEnum, fragment_address]
+
+
+class GuardedCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed's torch checkpoint engine, with two changes (installed by
+    engine/runtime/deepspeed_glue.initialize_training_engine):
+
+    * ``load`` unpickles with ``weights_only=True`` and only :data:`DEEPSPEED_STATE_TYPES`
+      allowed, so a checkpoint cannot run code (DeepSpeed 0.19 loads with ``weights_only=False``);
+    * a failed ``save`` (disk full, file-size limit: torch's zip writer raises RuntimeError such as
+      "basic_ios::clear: iostream error", not OSError) is recorded in ``write_error`` and the
+      remaining writes are skipped, so every rank still makes the collectives of DeepSpeed's save
+      and :func:`save_checkpoint` can agree on the failure instead of hanging.
+    """
+
+    def __init__(self, config_params=None):
+        super().__init__(config_params)
+        self.write_error: Exception | None = None
+
+    def save(self, state_dict, path: str) -> None:
+        if self.write_error is None:
+            try:
+                super().save(state_dict, path)
+            except Exception as e:  # noqa: BLE001 -- whatever the writer raised, the save failed
+                self.write_error = e
+
+    def load(self, path: str, map_location=None):
+        with torch.serialization.safe_globals(DEEPSPEED_STATE_TYPES):
+            return torch.load(path, map_location=map_location, weights_only=True)
 
 
 class CheckpointWriteError(OSError):
@@ -80,14 +118,17 @@ def save_checkpoint(
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a save that crashed
     torch.distributed.barrier()
-    error = None
+    error: Exception | None = None
     try:
         for name, engine in engines.items():
+            engine.checkpoint_engine.write_error = None
             engine.save_checkpoint(tmp, tag=name, save_latest=False)
+            error = error or engine.checkpoint_engine.write_error
         if faults.fail_checkpoint_write_at(step):
             raise OSError(errno.ENOSPC, "No space left on device (injected by RLHF_FAULTS)")
-        torch.save({**trainer_state, "rng": rng_state()}, os.path.join(tmp, f"trainer_state_rank{rank}.pt"))
-    except OSError as e:  # disk full, quota, permissions: every rank must learn it before anyone renames
+        if error is None:
+            torch.save({**trainer_state, "rng": rng_state()}, os.path.join(tmp, f"trainer_state_rank{rank}.pt"))
+    except Exception as e:  # noqa: BLE001 -- disk full, quota, permissions: every rank must learn it before anyone renames
         error = e
     if faults.kill_in_checkpoint_at(step):
         os.kill(os.getpid(), signal.SIGKILL)
@@ -185,7 +226,13 @@ def load_checkpoint(path: str, engines: dict[str, Any], run_identity: dict[str, 
             "--allow-config-change to resume anyway."
         )
     for name, engine in engines.items():
-        load_path, _ = engine.load_checkpoint(path, tag=name, load_optimizer_states=True, load_lr_scheduler_states=True)
+        try:
+            load_path, _ = engine.load_checkpoint(path, tag=name, load_optimizer_states=True, load_lr_scheduler_states=True)
+        except pickle.UnpicklingError as e:  # GuardedCheckpointEngine: an object that is not a tensor or DeepSpeed state
+            unsafe = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line), str(e).splitlines()[0])
+            raise ResumeError(f"{path}: refused to load engine '{name}': its files hold an object that loading would run code for "
+                              f"({unsafe}); a checkpoint holds tensors and DeepSpeed's state only. Resume from a checkpoint you "
+                              "trust.") from None
         if load_path is None:
             raise ResumeError(f"{path}: DeepSpeed could not load engine '{name}'")
     set_rng_state(state.pop("rng"))

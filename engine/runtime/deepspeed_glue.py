@@ -13,6 +13,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 from transformers.integrations import HfDeepSpeedConfig
 
+from engine.runtime.checkpoint import GuardedCheckpointEngine
+
 
 def training_ds_config(ds_config: dict[str, Any], bf16: bool) -> dict[str, Any]:
     """The user's DeepSpeed config adapted to token-budget batching.
@@ -75,13 +77,15 @@ def initialize_training_engine(
     """Wrap ``model`` with torch AdamW and a warm-up schedule in a DeepSpeed engine.
 
     torch's AdamW rather than DeepSpeed's: FusedAdam / DeepSpeedCPUAdam are JIT-compiled on
-    first use (~100 s each on CPU); ZeRO partitions any torch optimizer.
+    first use (~100 s each on CPU); ZeRO partitions any torch optimizer. Checkpoints go through
+    :class:`engine.runtime.checkpoint.GuardedCheckpointEngine`.
     """
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=lr, betas=betas, weight_decay=weight_decay
     )
     scheduler = get_scheduler(lr_scheduler, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+    engine.checkpoint_engine = GuardedCheckpointEngine(engine._config)  # no code runs on load; write failures agreed on
     return engine
 
 
