@@ -18,6 +18,29 @@ from typing import Any, Literal
 from engine.config import DS_CONFIGS_DIR, ConfigError, json_schema, option, required, section
 
 MAX_SEED = 2**31 - 1  # numpy seeds stay below 2**32; derived per-rank and per-iteration seeds must fit too
+# DeepSpeed config keys the scripts set themselves (engine/runtime/deepspeed_glue.training_ds_config):
+# token-budget batching decides the batch, the run config the optimizer, schedule and dtype.
+DEEPSPEED_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def resolve_deepspeed_dtype(ds_config: dict[str, Any], bf16: bool | None, bf16_key: str) -> bool:
+    """Check the keys of the DeepSpeed config that the scripts own; returns whether to train in
+    bf16: ``bf16`` (the run config's ``bf16_key``) when given, else the DeepSpeed config's own
+    ``bf16.enabled``. Conflicts are refused, never silently overridden."""
+    for key in DEEPSPEED_BATCH_KEYS:
+        if ds_config.get(key, 1) not in (1, "auto"):
+            raise ConfigError(f"'deepspeed.{key}' ({ds_config[key]}) is set by the scripts: batches are packed to a token budget "
+                              "(train.pairs_per_step / ppo.mini_batch_size and max_tokens_per_micro_batch); remove it or set 1")
+    for key, instead in (("optimizer", "optim"), ("scheduler", "optim.lr_scheduler and optim.warmup_ratio")):
+        if key in ds_config:
+            raise ConfigError(f"'deepspeed.{key}' is set by the scripts (torch AdamW, transformers schedules): use {instead} instead")
+    if (ds_config.get("fp16") or {}).get("enabled"):
+        raise ConfigError(f"'deepspeed.fp16' is not supported (no loss scaling here): use bf16 (set {bf16_key} true) or fp32")
+    ds_bf16 = (ds_config.get("bf16") or {}).get("enabled")
+    if ds_bf16 is not None and bf16 is not None and bool(ds_bf16) != bf16:
+        raise ConfigError(f"'deepspeed.bf16.enabled' ({str(bool(ds_bf16)).lower()}) and '{bf16_key}' ({str(bf16).lower()}) disagree: "
+                          f"set one of them to match, or leave {bf16_key} out to follow the DeepSpeed config")
+    return bool(bf16) if bf16 is not None else bool(ds_bf16)
 
 
 @dataclass
@@ -26,7 +49,7 @@ class ModelSection:
     attn_implementation: Literal["auto", "sdpa_varlen", "flash_attention_2", "sdpa", "eager"] = option(
         "auto", "attention: auto (flash_attention_2 on a GPU with flash-attn and bf16, else sdpa_varlen), sdpa_varlen, flash_attention_2, sdpa, eager"
     )
-    bf16: bool = option(False, "train in bf16 (DeepSpeed bf16 section is set to match)")
+    bf16: bool | None = option(None, "train in bf16 (None: as the DeepSpeed config's bf16.enabled says; its bf16 section is set to match)")
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
     trust_remote_code: bool = option(False, "allow custom modelling code from the checkpoint")
 
@@ -105,6 +128,9 @@ class RewardModelConfig:
     checkpoint: CheckpointSection = section(CheckpointSection, "resumable checkpoints")
     guards: GuardsSection = section(GuardsSection, "training guards")
     logging: LoggingSection = section(LoggingSection, "where and how to log")
+
+    def __post_init__(self):
+        self.model.bf16 = resolve_deepspeed_dtype(self.deepspeed, self.model.bf16, "model.bf16")
 
 
 @dataclass
@@ -218,6 +244,7 @@ class PPOConfig:
     logging: LoggingSection = section(LoggingSection, "where and how to log")
 
     def __post_init__(self):
+        self.actor.bf16 = resolve_deepspeed_dtype(self.deepspeed, self.actor.bf16, "actor.bf16")
         if self.guards.rollback_drop is not None and not (self.data.eval_prompts and self.train.eval_every):
             raise ConfigError("guards.rollback_drop needs data.eval_prompts and train.eval_every > 0 (the held-out reward it watches)")
         world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -100,3 +100,29 @@ def test_shipped_schemas_are_current_and_accept_the_shipped_configs():
         data = json.loads(config.read_text())
         schema = json.loads((config.parent / data["$schema"]).read_text())
         jsonschema.Draft202012Validator(schema).validate(data)
+
+
+@pytest.mark.parametrize(
+    "deepspeed, model, message",
+    [
+        ({"fp16": {"enabled": True}}, {}, "'deepspeed.fp16' is not supported (no loss scaling here): use bf16 (set model.bf16 true)"),
+        ({"train_batch_size": 256}, {}, "'deepspeed.train_batch_size' (256) is set by the scripts: batches are packed to a token budget"),
+        ({"gradient_accumulation_steps": 8}, {}, "'deepspeed.gradient_accumulation_steps' (8) is set by the scripts"),
+        ({"optimizer": {"type": "Adam"}}, {}, "'deepspeed.optimizer' is set by the scripts (torch AdamW, transformers schedules): use optim"),
+        ({"bf16": {"enabled": True}}, {"bf16": False}, "'deepspeed.bf16.enabled' (true) and 'model.bf16' (false) disagree"),
+    ],
+)
+def test_deepspeed_keys_the_scripts_own_are_refused_not_dropped(deepspeed, model, message):
+    data = MINIMAL[RewardModelConfig] | {"deepspeed": DS | deepspeed, "model": {"path": "m", **model}}
+    with pytest.raises(ConfigError) as refused:
+        build_config(RewardModelConfig, data, source="run.json")
+    assert message in str(refused.value)
+
+
+def test_bf16_follows_the_deepspeed_config_unless_the_run_config_says():
+    build = lambda ds, **model: build_config(  # noqa: E731
+        RewardModelConfig, MINIMAL[RewardModelConfig] | {"deepspeed": ds, "model": {"path": "m", **model}}, source="run.json")
+    assert build("zero3.json").model.bf16 is True  # labelled bf16, trains bf16
+    assert build("tiny_cpu_zero3.json").model.bf16 is False
+    assert build("tiny_cpu_zero3.json", bf16=True).model.bf16 is True
+    assert build({**DS, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": "auto"}).model.bf16 is False

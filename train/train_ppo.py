@@ -21,12 +21,12 @@ from functools import partial
 from typing import Any, NamedTuple
 
 import torch
-from transformers import AutoTokenizer
 
 from engine.config import config_to_dict
 from engine.data.batching import epoch_order
 from engine.data.chat import prompt_ids
-from engine.data.prompts import load_prompts
+from engine.data.errors import DataFileError
+from engine.data.prompts import load_prompts, prompts_that_fit
 from engine.ppo.evaluation import HeldOutEvaluator
 from engine.ppo.experience import make_experience
 from engine.ppo.losses import AdaptiveKLController, FixedKLController
@@ -48,9 +48,10 @@ from engine.runtime.distributed import mean_over_ranks
 from engine.runtime.dry_run import ppo_plan
 from engine.runtime.faults import eval_reward_offset, nan_loss_at
 from engine.runtime.guards import KLGuard, NonFiniteGuard, RollbackGuard
-from engine.runtime.launch import RunRefused, run_main, start_run
+from engine.runtime.launch import run_main, start_run
 from engine.runtime.lifecycle import RunEnded, RunLifecycle
 from engine.runtime.models import load_causal_lm, load_value_model
+from engine.runtime.preflight import check_reward_model, check_vllm_can_run, load_tokenizer
 
 
 class HybridEngine(NamedTuple):
@@ -88,6 +89,17 @@ def build_hybrid_engine(cfg: PPOConfig, ds_config: dict) -> HybridEngine:
         reward_model=frozen_engine(reward_model, frozen_config),
         keep_alive=keep_alive,
     )
+
+
+def load_fitting_prompts(path: str, tokenizer, cfg: PPOConfig, rank: int) -> list:
+    """The prompts of ``path`` that leave room for a response of rollout.max_new_tokens within a
+    micro-batch and, with vLLM, its context (the others are dropped and counted)."""
+    room = min(cfg.ppo.max_tokens_per_micro_batch, cfg.rollout.vllm_max_model_len if cfg.rollout.sampler == "vllm" else 1 << 62)
+    prompts, dropped = prompts_that_fit(load_prompts(path), tokenizer, room - cfg.rollout.max_new_tokens)
+    if dropped and rank == 0:
+        print(f"{path}: dropped {dropped} of {len(prompts) + dropped} prompts longer than {room - cfg.rollout.max_new_tokens} tokens "
+              "(the smaller of ppo.max_tokens_per_micro_batch and rollout.vllm_max_model_len, less rollout.max_new_tokens)")
+    return prompts
 
 
 def build_sampler(cfg: PPOConfig, actor_engine, tokenizer, rank: int):
@@ -153,13 +165,17 @@ def main() -> int:
     cfg, run_args, rank, world = start_run(PPOConfig, __doc__.split("\n")[0])
     out = cfg.logging.output_dir
     ds_config = training_ds_config(cfg.deepspeed, cfg.actor.bf16)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.actor.path, trust_remote_code=cfg.actor.trust_remote_code)
-    prompts = load_prompts(cfg.data.prompts)
-    eval_prompts = load_prompts(cfg.data.eval_prompts) if cfg.data.eval_prompts else []
+    tokenizer = load_tokenizer(cfg.actor.path, "actor.path", cfg.actor.trust_remote_code)
+    rm_tokenizer = load_tokenizer(cfg.reward_model.path, "reward_model.path")
+    check_reward_model(cfg.reward_model.path, "reward_model.path", cfg.reward_model.normalize)
+    if cfg.rollout.sampler == "vllm":
+        check_vllm_can_run(cfg.actor.path, "actor.path", cfg.actor.trust_remote_code)
+    prompts = load_fitting_prompts(cfg.data.prompts, tokenizer, cfg, rank)
+    eval_prompts = load_fitting_prompts(cfg.data.eval_prompts, tokenizer, cfg, rank) if cfg.data.eval_prompts else []
     per_epoch = len(prompts) // cfg.rollout.prompts_per_iteration  # iterations per pass over the prompts
     if per_epoch < 1:  # checked before the four models are loaded
-        raise RunRefused("data", f"{cfg.data.prompts}: {len(prompts)} prompts, fewer than rollout.prompts_per_iteration="
-                                 f"{cfg.rollout.prompts_per_iteration}")
+        raise DataFileError(f"{cfg.data.prompts}: {len(prompts)} usable prompts, fewer than rollout.prompts_per_iteration="
+                            f"{cfg.rollout.prompts_per_iteration}")
     if run_args.dry_run:
         return ppo_plan(cfg, prompts, eval_prompts, tokenizer, ds_config, world) if rank == 0 else 0
     iterations = cfg.train.iterations
@@ -172,7 +188,7 @@ def main() -> int:
     )
 
     engines = build_hybrid_engine(cfg, ds_config)
-    scorer = RewardScorer(engines.reward_model, AutoTokenizer.from_pretrained(cfg.reward_model.path), cfg.reward_model.path,
+    scorer = RewardScorer(engines.reward_model, rm_tokenizer, cfg.reward_model.path,
                           cfg.reward_model.normalize, cfg.reward_model.clip, cfg.reward_model.rules, cfg.reward_model.no_eos_penalty,
                           cfg.ppo.max_tokens_per_micro_batch)
     sampler = build_sampler(cfg, engines.actor, tokenizer, rank)

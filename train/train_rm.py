@@ -19,12 +19,12 @@ import time
 from functools import partial
 
 import torch
-from transformers import AutoTokenizer
 
 from engine.config import config_to_dict
 from engine.data.batching import epoch_order, plan_global, token_mean_scale
+from engine.data.errors import DataFileError
 from engine.data.packing import dummy_forward_loss
-from engine.data.preferences import PreferenceExample, collate_pairs, load_preferences
+from engine.data.preferences import PreferenceExample, collate_pairs, load_preferences, pairs_that_fit
 from engine.rm.losses import pair_losses
 from engine.rm.reward_model import PairStats, evaluate_pairs, score_pairs
 from engine.run_config import RewardModelConfig
@@ -35,6 +35,7 @@ from engine.runtime.guards import NonFiniteGuard
 from engine.runtime.launch import run_main, start_run
 from engine.runtime.lifecycle import RunEnded, RunLifecycle
 from engine.runtime.models import load_value_model
+from engine.runtime.preflight import load_tokenizer
 
 
 def train_step(
@@ -74,16 +75,27 @@ def train_step(
     return metrics
 
 
+def load_pairs(path: str, tokenizer, cfg: RewardModelConfig, rank: int) -> list[PreferenceExample]:
+    """The pairs of ``path`` that fit one micro-batch (those that do not are dropped and counted)."""
+    pairs, dropped = pairs_that_fit(load_preferences(path, tokenizer, list(cfg.rm.components), cfg.data.use_margin),
+                                    cfg.train.max_tokens_per_micro_batch)
+    if not pairs:
+        raise DataFileError(f"{path}: no pair fits train.max_tokens_per_micro_batch ({cfg.train.max_tokens_per_micro_batch} tokens)")
+    if dropped and rank == 0:
+        print(f"{path}: dropped {dropped} of {len(pairs) + dropped} pairs longer than train.max_tokens_per_micro_batch "
+              f"({cfg.train.max_tokens_per_micro_batch} tokens, chosen + rejected)")
+    return pairs
+
+
 def main() -> int:
     cfg, run_args, rank, world = start_run(RewardModelConfig, __doc__.split("\n")[0])
     out = cfg.logging.output_dir
     ds_config = training_ds_config(cfg.deepspeed, cfg.model.bf16)
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    tokenizer = load_tokenizer(cfg.model.path, "model.path", cfg.model.trust_remote_code)
     components = list(cfg.rm.components)
     weights = torch.tensor([cfg.rm.components[c] for c in components])
-    train = load_preferences(cfg.data.train, tokenizer, components, cfg.data.use_margin)
-    validation = load_preferences(cfg.data.validation, tokenizer, components, cfg.data.use_margin)
+    train, validation = (load_pairs(path, tokenizer, cfg, rank) for path in (cfg.data.train, cfg.data.validation))
     steps_per_epoch = math.ceil(len(train) / cfg.train.pairs_per_step)
     total_steps = cfg.train.epochs * steps_per_epoch
     if cfg.train.max_steps:

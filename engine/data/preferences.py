@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-import pyarrow.parquet as pq
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine.data.chat import tokenize_pairs
+from engine.data.errors import DataFileError, read_parquet
 
 REQUIRED_COLUMNS = ("prompt", "chosen", "rejected", "margin", "components")
 
@@ -32,13 +32,9 @@ def load_preferences(
     path: str, tokenizer: PreTrainedTokenizerBase, components: Sequence[str], use_margin: bool, chunk: int = 1024
 ) -> list[PreferenceExample]:
     """Read and tokenize a pairs parquet; labels follow the order of ``components``."""
-    table = pq.read_table(path)
-    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
-    if missing:
-        raise ValueError(f"{path}: missing column(s) {missing}; prepare it with data_prep/prepare_preferences.py")
-    rows = table.select(list(REQUIRED_COLUMNS)).to_pylist()
+    rows = read_parquet(path, REQUIRED_COLUMNS, "data_prep/prepare_preferences.py").to_pylist()
     if not rows:
-        raise ValueError(f"{path}: no pairs")
+        raise DataFileError(f"{path}: no pairs")
     examples = []
     for start in range(0, len(rows), chunk):
         part = rows[start : start + chunk]
@@ -57,7 +53,8 @@ def load_preferences(
     if len(components) > 1:
         for c, name in enumerate(components):
             if not any(e.labels[c] for e in examples):
-                raise ValueError(f"{path}: component '{name}' is configured but no pair carries its label")
+                raise DataFileError(f"{path}: component '{name}' is configured (rm.components) but no pair carries its label; "
+                                    f"the labels here: {labelled_components(rows)}")
     return examples
 
 
@@ -68,3 +65,14 @@ def collate_pairs(examples: Sequence[PreferenceExample]) -> tuple[list[list[int]
     margins = torch.tensor([e.margin for e in examples], dtype=torch.float32)
     labels = torch.tensor([e.labels for e in examples], dtype=torch.long).view(len(examples), -1)
     return sequences, margins, labels
+
+
+def labelled_components(rows: Sequence[dict]) -> list[str]:
+    """The component names the rows of a pairs file carry labels for."""
+    return sorted({name for r in rows for name, label in (r["components"] or []) if label})
+
+
+def pairs_that_fit(examples: Sequence[PreferenceExample], max_tokens: int) -> tuple[list[PreferenceExample], int]:
+    """The pairs whose chosen + rejected tokens (packed together) fit ``max_tokens``, and how many were dropped."""
+    kept = [e for e in examples if e.num_tokens <= max_tokens]
+    return kept, len(examples) - len(kept)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from engine.config import ConfigError, load_config
+from engine.data.errors import DataFileError
 from engine.runtime.distributed import all_reduce, init_distributed, shutdown_distributed
 
 T = TypeVar("T")
@@ -67,12 +68,14 @@ def start_run(config_cls: type[T], description: str) -> tuple[T, RunArgs, int, i
 
 
 def run_main(main: Callable[[], int]) -> NoReturn:
-    """A launched script's entry point: run ``main``; a refusal exits 2 with its message; the ranks
+    """A launched script's entry point: run ``main``; a refusal (or a config or data file found
+    unusable) exits 2 with its message; the ranks
     leave the process group together (engine/runtime/distributed.py)."""
     try:
         code = main()
-    except RunRefused as e:
-        print(f"{e.kind} error: {e}", file=sys.stderr)
+    except (RunRefused, ConfigError, DataFileError) as e:
+        kind = e.kind if isinstance(e, RunRefused) else "config" if isinstance(e, ConfigError) else "data"
+        print(f"{kind} error: {e}", file=sys.stderr)
         code = 2
     shutdown_distributed()
     sys.exit(code)

