@@ -5,7 +5,9 @@
 
 Writes ``train.parquet`` and ``validation.parquet`` (pairs), ``prompts_train.parquet`` and
 ``prompts_validation.parquet`` (unique prompts, for PPO), and ``summary.json``. The split is
-by prompt, so no prompt appears in both splits, and deterministic by seed. Prints a table of
+by prompt, so no prompt appears in both splits, and deterministic by seed. A split without rows
+is not written: ``--validation-fraction 1`` prepares a validation-only file (e.g. a separate
+held-out set), ``0`` a train-only one. Prints a table of
 rows read / kept / dropped by reason and token-length percentiles.
 
 A malformed row stops the run with ``file:line: field 'x': ...``; ``--skip-invalid`` skips
@@ -219,14 +221,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--split", default="train", help="split to read from a datasets name/path")
     parser.add_argument("--tokenizer", required=True, help="tokenizer (model dir) whose chat template renders the rows")
     parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--validation-fraction", type=float, default=0.05, help="fraction of pairs held out, split by prompt")
+    parser.add_argument("--validation-fraction", type=float, default=0.05,
+                        help="fraction of pairs held out, split by prompt (1: all of them, a validation-only file)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the train/validation split")
     parser.add_argument("--max-prompt-length", type=int, default=512, help="drop pairs whose prompt has more tokens")
     parser.add_argument("--max-length", type=int, default=1024, help="drop pairs whose prompt + longer response has more tokens")
     parser.add_argument("--skip-invalid", action="store_true", help="skip malformed rows (counted by reason) instead of failing")
     args = parser.parse_args(argv)
-    if not 0.0 <= args.validation_fraction < 1.0:
-        parser.error(f"--validation-fraction must be in [0, 1), got {args.validation_fraction}")
+    if not 0.0 <= args.validation_fraction <= 1.0:
+        parser.error(f"--validation-fraction must be in [0, 1], got {args.validation_fraction}")
     return args
 
 
@@ -245,12 +248,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     train, validation = split_by_prompt(rows, args.validation_fraction, args.seed)
     os.makedirs(args.out, exist_ok=True)
-    write_pairs(train, os.path.join(args.out, "train.parquet"))
-    write_pairs(validation, os.path.join(args.out, "validation.parquet"))
-    n_prompts = {
-        split: write_prompts(split_rows, os.path.join(args.out, f"prompts_{split}.parquet"))
-        for split, split_rows in (("train", train), ("validation", validation))
-    }
+    splits = {split: split_rows for split, split_rows in (("train", train), ("validation", validation)) if split_rows}
+    n_prompts = {}
+    for split, split_rows in splits.items():
+        write_pairs(split_rows, os.path.join(args.out, f"{split}.parquet"))
+        n_prompts[split] = write_prompts(split_rows, os.path.join(args.out, f"prompts_{split}.parquet"))
     lengths = length_percentiles(rows)
     summary = {
         "inputs": args.input,
@@ -268,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     print(format_report(tally, len(train), len(validation), lengths))
-    print(f"wrote {args.out}/{{train,validation,prompts_train,prompts_validation}}.parquet")
+    print(f"wrote {args.out}/{{{','.join(f'{n},prompts_{n}' for n in splits)}}}.parquet")
     return 0
 
 

@@ -118,6 +118,16 @@ def test_skip_invalid_counts_every_reason(tmp_path, tiny_model_dir, capsys):
     assert "bad_components" in printed and "identical_responses" in printed
 
 
+def test_a_validation_only_file(tmp_path, synthetic_pairs, tiny_model_dir, capsys):
+    code, out = run(tmp_path, [synthetic_pairs], tiny_model_dir, "--validation-fraction", "1")
+    assert code == 0
+    assert len(read(out, "validation")) == 600 and len(read(out, "prompts_validation")) > 0
+    assert not (out / "train.parquet").exists() and not (out / "prompts_train.parquet").exists()
+    assert f"wrote {out}/{{validation,prompts_validation}}.parquet" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        run(tmp_path, [synthetic_pairs], tiny_model_dir, "--validation-fraction", "1.5")
+
+
 def test_length_limits_drop_and_count(tmp_path, tiny_model_dir):
     rows = [
         {"prompt": "short", "chosen": "ok", "rejected": "no"},
