@@ -188,12 +188,17 @@ class PPOSection:
     value_clip: float = option(0.2, "value-function clip range around the old values", gt=0)
     gamma: float = option(1.0, "discount", ge=0, le=1)
     lam: float = option(0.95, "GAE lambda", ge=0, le=1)
-    kl_estimator: Literal["k1", "k2", "k3"] = option("k1", "KL estimator (k3 is non-negative)")
+    kl_estimator: Literal["k1", "k2", "k3"] = option("k1", "estimator of the KL in the reward (k1: the log-ratio, unbiased per token)")
     use_kl_in_reward: bool = option(True, "subtract kl_coef * KL from the per-token reward")
     kl_coef: float = option(0.05, "KL coefficient (initial value when adaptive)", ge=0)
-    kl_target: float | None = option(None, "adaptive KL controller target (None: fixed kl_coef)", gt=0)
+    kl_target: float | None = option(
+        None, "adaptive KL controller target, in KL per response token like guards.kl_ceiling (e.g. 0.05; None: fixed kl_coef)", gt=0
+    )
     kl_horizon: int = option(10000, "adaptive KL controller horizon, in samples", ge=1)
     kl_loss_coef: float = option(0.0, "weight of a KL loss term in the actor loss (GRPO style)", ge=0)
+    kl_loss_estimator: Literal["k1", "k2", "k3"] = option(
+        "k3", "estimator of the KL loss (k3: non-negative, low variance; with k1 the loss has ~zero expected gradient)"
+    )
     entropy_coef: float = option(0.0, "entropy bonus in the actor loss", ge=0)
     whiten_advantages: bool = option(True, "standardise advantages over the rollout batch (all ranks)")
 

@@ -217,7 +217,7 @@ def main() -> int:
     evaluate = partial(held_out_eval, evaluator, sampler, engines, monitor, run, cfg.monitors.sample_rows)
     settings = PolicyLossSettings(
         clip_low=cfg.ppo.clip_ratio, clip_high=cfg.ppo.clip_ratio_high or cfg.ppo.clip_ratio, clip_ratio_c=cfg.ppo.clip_ratio_c,
-        kl_loss_coef=cfg.ppo.kl_loss_coef, kl_estimator=cfg.ppo.kl_estimator, entropy_coef=cfg.ppo.entropy_coef,
+        kl_loss_coef=cfg.ppo.kl_loss_coef, kl_estimator=cfg.ppo.kl_loss_estimator, entropy_coef=cfg.ppo.entropy_coef,
     )
     experience_kw = dict(actor=engines.actor, critic=engines.critic, ref=engines.ref, scorer=scorer, value_weights=value_weights,
                          tokenizer=tokenizer, max_tokens=cfg.ppo.max_tokens_per_micro_batch, kl_estimator=cfg.ppo.kl_estimator,
@@ -241,7 +241,7 @@ def main() -> int:
             metrics = ppo_iteration(cfg, run.step, batch_msgs, sampler, sampling, engines, tokenizer,
                                     kl_ctl.value if cfg.ppo.use_kl_in_reward else 0.0, experience_kw, update_kw,
                                     after_step=partial(run.check_step, nonfinite, run.step + 1))
-            kl_ctl.update(metrics["ppo/kl"], n_steps=cfg.rollout.prompts_per_iteration * cfg.rollout.samples_per_prompt)
+            kl_ctl.update(metrics["ppo/kl_per_token"], n_steps=cfg.rollout.prompts_per_iteration * cfg.rollout.samples_per_prompt)
             run.step += 1
             monitor.record_train_score(metrics["ppo/score"])
             if kl_guard.exceeded(metrics["ppo/kl_per_token"]):
@@ -260,7 +260,7 @@ def main() -> int:
     except RunEnded as end:
         return run.finish(end.code, str(end))
     save_hf_model(engines.actor, tokenizer, os.path.join(out, "actor"))
-    summary = f"ppo done: {iterations} iterations, last KL {metrics['ppo/kl']:.4f} (per sequence)" if iterations else "ppo done"
+    summary = f"ppo done: {iterations} iterations, last KL {metrics['ppo/kl_per_token']:.4f} per token"
     if first_eval and "eval/reward" in metrics:
         summary += (f"; held-out reward {first_eval['eval/reward']:.3f} -> {metrics['eval/reward']:.3f}, "
                     f"win rate vs reference {metrics['eval/win_rate']:.3f}")
