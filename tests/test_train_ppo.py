@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
-from helpers import PPO_ITERATIONS, faults, launch, metric_series, read_events, start_launched, wait_for_step, workers, write_ppo_config
+from helpers import PPO_ITERATIONS, REPO, faults, launch, metric_series, read_events, start_launched, wait_for_step, workers, write_ppo_config
 from transformers import AutoModelForCausalLM
 
 from engine.observe.records import read_records
@@ -94,6 +96,13 @@ def test_exported_actor_loads_and_differs_from_the_start(ppo_run, tiny_model_dir
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     assert trained.keys() == start.keys()
     assert not torch.equal(trained["lm_head.weight"], start["lm_head.weight"])
+    # The export serves as it trained: vLLM and transformers generate the same greedy tokens from it.
+    greedy = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "vllm_greedy.py"), str(root / "run" / "actor")],
+                            capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert greedy.returncode == 0, greedy.stderr[-3000:]
+    (line,) = [line for line in greedy.stdout.splitlines() if line.startswith("{")]
+    result = json.loads(line)
+    assert result["vllm"] == result["hf"] and all(result["vllm"])
 
 
 def test_sigkill_mid_iteration_and_during_a_checkpoint_write_then_identical_resume(ppo_run, tmp_path):
