@@ -69,9 +69,9 @@ def parse_preference_row(row: Any) -> PreferencePair:
         if name not in row or row[name] is None:
             raise InvalidRow("missing_field", name, "missing")
     if row.get("prompt") is not None:
-        prompt = _parse_messages(row["prompt"], "prompt", allow_string=True)
-        chosen = _parse_response(row["chosen"], "chosen")
-        rejected = _parse_response(row["rejected"], "rejected")
+        prompt = parse_messages(row["prompt"], "prompt", allow_string=True)
+        chosen = parse_response(row["chosen"], "chosen")
+        rejected = parse_response(row["rejected"], "rejected")
     elif isinstance(row["chosen"], str) and isinstance(row["rejected"], str):
         prompt, chosen, rejected = _split_hh(row["chosen"], row["rejected"])
     else:
@@ -120,8 +120,8 @@ def _split_hh(chosen: str, rejected: str) -> tuple[list[Message], str, str]:
 
 
 def _split_conversations(chosen: Any, rejected: Any) -> tuple[list[Message], str, str]:
-    chosen_msgs = _parse_messages(chosen, "chosen", allow_string=False)
-    rejected_msgs = _parse_messages(rejected, "rejected", allow_string=False)
+    chosen_msgs = parse_messages(chosen, "chosen", allow_string=False)
+    rejected_msgs = parse_messages(rejected, "rejected", allow_string=False)
     shared = 0
     while shared < min(len(chosen_msgs), len(rejected_msgs)) - 1 and chosen_msgs[shared] == rejected_msgs[shared]:
         shared += 1
@@ -129,10 +129,10 @@ def _split_conversations(chosen: Any, rejected: Any) -> tuple[list[Message], str
         raise InvalidRow("missing_field", "prompt", "no 'prompt' and chosen/rejected share no prompt messages")
     if len(chosen_msgs) != shared + 1 or len(rejected_msgs) != shared + 1:
         raise DroppedRow("turn_mismatch")
-    return chosen_msgs[:shared], _parse_response(chosen_msgs[-1:], "chosen"), _parse_response(rejected_msgs[-1:], "rejected")
+    return chosen_msgs[:shared], parse_response(chosen_msgs[-1:], "chosen"), parse_response(rejected_msgs[-1:], "rejected")
 
 
-def _parse_messages(value: Any, field_name: str, allow_string: bool) -> list[Message]:
+def parse_messages(value: Any, field_name: str, allow_string: bool) -> list[Message]:
     if allow_string and isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
@@ -152,10 +152,10 @@ def _parse_messages(value: Any, field_name: str, allow_string: bool) -> list[Mes
     return messages
 
 
-def _parse_response(value: Any, field_name: str) -> str:
+def parse_response(value: Any, field_name: str) -> str:
     if isinstance(value, str):
         return value
-    messages = _parse_messages(value, field_name, allow_string=False)
+    messages = parse_messages(value, field_name, allow_string=False)
     if len(messages) != 1 or messages[0]["role"] != "assistant":
         raise InvalidRow("bad_message", field_name, "a response list must be exactly one 'assistant' message")
     return messages[0]["content"]

@@ -22,20 +22,17 @@ import argparse
 import json
 import os
 import sys
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from data_prep.preferences import DroppedRow, InvalidRow, PreferencePair, parse_preference_row
-from data_prep.sources import DataError, iter_rows
+from data_prep.preferences import PreferencePair, parse_preference_row
+from data_prep.sources import DataError
+from data_prep.splits import MESSAGES, Tally, format_report, percentiles, read_rows, split_by_prompt, write_atomically
 from engine.data.chat import tokenize_pairs
 
-MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 PAIR_SCHEMA = pa.schema(
     [
         ("source", pa.string()),
@@ -52,19 +49,6 @@ PAIR_SCHEMA = pa.schema(
 PROMPT_SCHEMA = pa.schema([("source", pa.string()), ("prompt", MESSAGES), ("prompt_tokens", pa.int32())])
 
 
-@dataclass
-class Tally:
-    """Counts of what happened to the input rows."""
-
-    read: int = 0
-    dropped: Counter = field(default_factory=Counter)  # reason -> rows (well-formed, unused)
-    invalid: Counter = field(default_factory=Counter)  # reason -> rows (malformed, skipped)
-
-    @property
-    def kept(self) -> int:
-        return self.read - sum(self.dropped.values()) - sum(self.invalid.values())
-
-
 @dataclass(frozen=True)
 class Row:
     """A parsed pair with where it came from and its token lengths (responses exclude the prompt)."""
@@ -76,23 +60,9 @@ class Row:
     rejected_tokens: int
 
 
-def read_pairs(
-    inputs: Sequence[str], split: str, skip_invalid: bool, tally: Tally
-) -> list[tuple[str, PreferencePair]]:
+def read_pairs(inputs: Sequence[str], split: str, skip_invalid: bool, tally: Tally) -> list[tuple[str, PreferencePair]]:
     """Parse every input row; malformed rows raise DataError unless ``skip_invalid``."""
-    pairs = []
-    for source in inputs:
-        for location, raw in iter_rows(source, split):
-            tally.read += 1
-            try:
-                pairs.append((location, parse_preference_row(raw)))
-            except DroppedRow as e:
-                tally.dropped[e.reason] += 1
-            except InvalidRow as e:
-                if not skip_invalid:
-                    raise DataError(f"{location}: {e} (--skip-invalid skips and counts such rows)") from None
-                tally.invalid[e.reason] += 1
-    return pairs
+    return read_rows(inputs, split, skip_invalid, tally, parse_preference_row)
 
 
 def measure_and_filter(
@@ -123,28 +93,6 @@ def measure_and_filter(
     return rows
 
 
-def split_by_prompt(rows: list[Row], validation_fraction: float, seed: int) -> tuple[list[Row], list[Row]]:
-    """Deterministic train/validation split in which every prompt lands in one split only.
-
-    Prompt groups are visited in a seeded random order and given to validation until it holds
-    ``round(validation_fraction * len(rows))`` rows; both splits keep the input order.
-    """
-    groups: dict[str, list[int]] = {}
-    for i, row in enumerate(rows):
-        groups.setdefault(json.dumps(row.pair.prompt, sort_keys=True), []).append(i)
-    order = np.random.default_rng(seed).permutation(len(groups))
-    members = list(groups.values())
-    target = round(validation_fraction * len(rows))
-    in_validation: set[int] = set()
-    for g in order:
-        if len(in_validation) >= target:
-            break
-        in_validation.update(members[g])
-    train = [r for i, r in enumerate(rows) if i not in in_validation]
-    validation = [r for i, r in enumerate(rows) if i in in_validation]
-    return train, validation
-
-
 def write_pairs(rows: list[Row], path: str) -> None:
     table = pa.Table.from_pylist(
         [
@@ -163,7 +111,7 @@ def write_pairs(rows: list[Row], path: str) -> None:
         ],
         schema=PAIR_SCHEMA,
     )
-    _write_atomically(table, path)
+    write_atomically(table, path)
 
 
 def write_prompts(rows: list[Row], path: str) -> int:
@@ -175,44 +123,18 @@ def write_prompts(rows: list[Row], path: str) -> int:
         if key not in seen:
             seen.add(key)
             records.append({"source": r.source, "prompt": r.pair.prompt, "prompt_tokens": r.prompt_tokens})
-    _write_atomically(pa.Table.from_pylist(records, schema=PROMPT_SCHEMA), path)
+    write_atomically(pa.Table.from_pylist(records, schema=PROMPT_SCHEMA), path)
     return len(records)
-
-
-def _write_atomically(table: pa.Table, path: str) -> None:
-    # Written beside the target and renamed when whole: a crash never leaves a truncated file.
-    tmp = f"{path}.tmp-{os.getpid()}"
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
 
 
 def length_percentiles(rows: list[Row]) -> dict[str, dict[str, int]]:
     """p50/p90/p99/max of prompt, chosen, rejected and whole-pair token counts."""
-    columns = {
+    return percentiles({
         "prompt": [r.prompt_tokens for r in rows],
         "chosen": [r.chosen_tokens for r in rows],
         "rejected": [r.rejected_tokens for r in rows],
         "pair": [2 * r.prompt_tokens + r.chosen_tokens + r.rejected_tokens for r in rows],
-    }
-    stats = {}
-    for name, values in columns.items():
-        a = np.asarray(values or [0])
-        stats[name] = {q: int(np.percentile(a, p)) for q, p in (("p50", 50), ("p90", 90), ("p99", 99))}
-        stats[name]["max"] = int(a.max())
-    return stats
-
-
-def format_report(tally: Tally, n_train: int, n_validation: int, lengths: dict[str, dict[str, int]]) -> str:
-    """The end-of-run table: rows by fate and reason, then token-length percentiles."""
-    lines = ["rows", f"  {'read':<28}{tally.read:>8}", f"  {'kept':<28}{tally.kept:>8}"]
-    lines += [f"    {'train':<26}{n_train:>8}", f"    {'validation':<26}{n_validation:>8}"]
-    for title, counts in (("dropped", tally.dropped), ("invalid (skipped)", tally.invalid)):
-        lines.append(f"  {title:<28}{sum(counts.values()):>8}")
-        lines += [f"    {reason:<26}{n:>8}" for reason, n in sorted(counts.items())]
-    lines.append(f"tokens {'':<21}{'p50':>8}{'p90':>8}{'p99':>8}{'max':>8}")
-    for name, s in lengths.items():
-        lines.append(f"  {name:<27}{s['p50']:>8}{s['p90']:>8}{s['p99']:>8}{s['max']:>8}")
-    return "\n".join(lines)
+    })
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -246,7 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not rows:
         print(f"error: no usable pairs in {args.input} (read {tally.read})", file=sys.stderr)
         return 2
-    train, validation = split_by_prompt(rows, args.validation_fraction, args.seed)
+    in_validation = split_by_prompt([r.pair.prompt for r in rows], args.validation_fraction, args.seed)
+    train = [r for i, r in enumerate(rows) if i not in in_validation]
+    validation = [r for i, r in enumerate(rows) if i in in_validation]
     os.makedirs(args.out, exist_ok=True)
     splits = {split: split_rows for split, split_rows in (("train", train), ("validation", validation)) if split_rows}
     n_prompts = {}

@@ -1,6 +1,7 @@
 """A synthetic preference task for the demo and the tests: no download, a known rule.
 
-    python -m data_prep.synthetic_task --out pairs.jsonl [--num-pairs 4000] [--seed 0]
+    python -m data_prep.synthetic_task --out pairs.jsonl [--num-pairs 4000] [--seed 0] \
+        [--demonstrations-out demos.jsonl --num-demonstrations 2000]
 
 Each prompt asks about a topic in a town ("Tell me about the garden in Alder."); each response is a short
 sentence of topic, positive, negative and filler words. The rule that decides which response
@@ -12,7 +13,10 @@ is better, per component:
 
 Rows are generic preference rows: ``{"prompt", "chosen", "rejected", "components"}``, where
 each component is +1 / -1 / 0 as the chosen response scores higher / lower / the same on it.
-Deterministic by seed.
+Demonstrations for supervised fine-tuning (``--demonstrations-out``) are ``{"prompt", "response"}``
+rows whose responses are drawn the same way but without regard to the rule: a policy fine-tuned
+on them writes the task's language, neither better nor worse than chance, and leaves the RM and
+PPO stages the whole rule to learn. Deterministic by seed.
 """
 
 from __future__ import annotations
@@ -73,18 +77,33 @@ def sample_pair(rng: random.Random) -> dict:
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected, "components": components}
 
 
+def sample_demonstration(rng: random.Random) -> dict:
+    """One prompt/response row for supervised fine-tuning (the response ignores the rule)."""
+    topic = rng.choice(TOPICS)
+    return {"prompt": rng.choice(PROMPT_TEMPLATES).format(topic=topic, town=rng.choice(TOWNS)), "response": sample_response(rng, topic)}
+
+
+def write_rows(path: str, rows: Sequence[dict]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="output .jsonl file")
     parser.add_argument("--num-pairs", type=int, default=4000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--demonstrations-out", help="also write prompt/response rows for supervised fine-tuning here (.jsonl)")
+    parser.add_argument("--num-demonstrations", type=int, default=2000)
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        for _ in range(args.num_pairs):
-            f.write(json.dumps(sample_pair(rng)) + "\n")
+    write_rows(args.out, [sample_pair(rng) for _ in range(args.num_pairs)])
     print(f"wrote {args.num_pairs} synthetic pairs to {args.out}")
+    if args.demonstrations_out:
+        rng = random.Random(f"demonstrations-{args.seed}")
+        write_rows(args.demonstrations_out, [sample_demonstration(rng) for _ in range(args.num_demonstrations)])
+        print(f"wrote {args.num_demonstrations} demonstrations to {args.demonstrations_out}")
     return 0
 
 

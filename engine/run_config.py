@@ -2,7 +2,7 @@
 
     python -m engine.run_config [--out ds_configs/schema]
 
-writes it as JSON Schema files (``train_rm.schema.json``, ``train_ppo.schema.json``) for editors:
+writes it as JSON Schema files (``train_sft.schema.json``, ``train_rm.schema.json``, ``train_ppo.schema.json``) for editors:
 a config that starts with ``"$schema": "schema/train_rm.schema.json"`` is validated and completed
 as it is typed.
 """
@@ -124,6 +124,39 @@ class RewardModelConfig:
     deepspeed: dict[str, Any] = required("DeepSpeed config: inline, or a file next to this config or in ds_configs/")
     rm: RMSection = section(RMSection, "reward head and loss")
     train: RMTrainSection = section(RMTrainSection, "batching and schedule")
+    optim: OptimSection = section(OptimSection, "optimizer and learning-rate schedule")
+    checkpoint: CheckpointSection = section(CheckpointSection, "resumable checkpoints")
+    guards: GuardsSection = section(GuardsSection, "training guards")
+    logging: LoggingSection = section(LoggingSection, "where and how to log")
+
+    def __post_init__(self):
+        self.model.bf16 = resolve_deepspeed_dtype(self.deepspeed, self.model.bf16, "model.bf16")
+
+
+@dataclass
+class SFTDataSection:
+    train: str = required("train conversations parquet (data_prep/prepare_sft.py)")
+    validation: str = option("", "held-out conversations parquet, evaluated every eval_every_steps and at the end ('': none)")
+
+
+@dataclass
+class SFTTrainSection:
+    epochs: int = option(1, "passes over the train conversations", ge=1)
+    max_steps: int = option(0, "stop after this many optimizer steps (0: run all epochs)", ge=0)
+    conversations_per_step: int = option(32, "conversations per optimizer step, over all ranks", ge=1)
+    max_tokens_per_micro_batch: int = option(4096, "token budget of one packed forward on one rank", ge=2)
+    eval_every_steps: int = option(0, "evaluate every N steps (0: only at the end)", ge=0)
+    seed: int = option(0, "seed of the data order", ge=0, le=MAX_SEED)
+
+
+@dataclass
+class SFTConfig:
+    """Config of train/train_sft.py."""
+
+    model: ModelSection = required("base model to fine-tune")
+    data: SFTDataSection = required("conversations")
+    deepspeed: dict[str, Any] = required("DeepSpeed config: inline, or a file next to this config or in ds_configs/")
+    train: SFTTrainSection = section(SFTTrainSection, "batching and schedule")
     optim: OptimSection = section(OptimSection, "optimizer and learning-rate schedule")
     checkpoint: CheckpointSection = section(CheckpointSection, "resumable checkpoints")
     guards: GuardsSection = section(GuardsSection, "training guards")
@@ -264,7 +297,7 @@ class PPOConfig:
             )
 
 
-SCRIPT_CONFIGS = {"train_rm": RewardModelConfig, "train_ppo": PPOConfig}
+SCRIPT_CONFIGS = {"train_sft": SFTConfig, "train_rm": RewardModelConfig, "train_ppo": PPOConfig}
 
 
 def schemas() -> dict[str, dict[str, Any]]:

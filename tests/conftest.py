@@ -64,6 +64,16 @@ def hh_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def hh_tokenizer(tmp_path_factory, hh_path) -> Path:
+    """A tiny byte-level BPE tokenizer (and 1-layer model) trained on the real HH text."""
+    from data_prep import make_tiny_model
+
+    out = tmp_path_factory.mktemp("hh") / "tok"
+    assert make_tiny_model.main(["--text", str(hh_path), "--out", str(out), "--num-layers", "1"]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
 def rm_data(tmp_path_factory, tiny_model_dir) -> Path:
     """Synthetic pairs (2,000) prepared with the tiny tokenizer: train/validation/prompts parquet."""
     from data_prep import prepare_preferences, synthetic_task
@@ -72,6 +82,28 @@ def rm_data(tmp_path_factory, tiny_model_dir) -> Path:
     synthetic_task.main(["--out", str(root / "pairs.jsonl"), "--num-pairs", "2000", "--seed", "1"])
     assert prepare_preferences.main(["--input", str(root / "pairs.jsonl"), "--tokenizer", str(tiny_model_dir), "--out", str(root)]) == 0
     return root
+
+
+@pytest.fixture(scope="session")
+def sft_data(tmp_path_factory, tiny_model_dir) -> Path:
+    """Synthetic demonstrations (1,200) prepared with the tiny tokenizer: sft_{train,validation}.parquet."""
+    from data_prep import prepare_sft, synthetic_task
+
+    root = tmp_path_factory.mktemp("sft_data")
+    synthetic_task.main(["--out", str(root / "pairs.jsonl"), "--num-pairs", "1", "--seed", "2",
+                         "--demonstrations-out", str(root / "demonstrations.jsonl"), "--num-demonstrations", "1200"])
+    assert prepare_sft.main(["--input", str(root / "demonstrations.jsonl"), "--tokenizer", str(tiny_model_dir), "--out", str(root)]) == 0
+    return root
+
+
+@pytest.fixture(scope="session")
+def sft_run(tmp_path_factory, tiny_model_dir, sft_data):
+    """A policy fine-tuned by train_sft.py (1 rank, ZeRO-3): (root with sft.json and run/, result)."""
+    from helpers import launch, write_sft_config
+
+    root = tmp_path_factory.mktemp("sft_one_rank")
+    result = launch("train_sft.py", write_sft_config(root / "sft.json", tiny_model_dir, sft_data, root / "run"))
+    return root, result
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ from engine.observe.records import read_records
 REPO = Path(__file__).resolve().parent.parent
 LAUNCHER = str(Path(sys.executable).parent / "deepspeed")
 RM_COMPONENTS = {"helpful": 0.5, "harmless": 0.5}
+SFT_STEPS, SFT_EVERY = 40, 15  # into the second epoch of 1,136 demonstrations; a checkpoint and an evaluation every 15 steps
 RM_STEPS, RM_EVERY = 60, 20  # two epochs of 1,900 pairs; a checkpoint every 20 steps
 PPO_ITERATIONS, PPO_EVERY = 30, 10  # evaluation and checkpoint every 10 iterations
 
@@ -53,6 +54,21 @@ def faults(**spec) -> dict[str, str]:
 
 def read_events(output_dir: Path) -> list[dict]:
     return read_records(str(output_dir / "events.jsonl"))
+
+
+def write_sft_config(path: Path, tiny_model_dir: Path, sft_data: Path, output_dir: Path, **train) -> Path:
+    config = {
+        "model": {"path": str(tiny_model_dir)},
+        "data": {"train": str(sft_data / "sft_train.parquet"), "validation": str(sft_data / "sft_validation.parquet")},
+        "deepspeed": "tiny_cpu_zero3.json",
+        "train": {"epochs": 2, "conversations_per_step": 32, "max_tokens_per_micro_batch": 1024, "max_steps": SFT_STEPS,
+                  "eval_every_steps": SFT_EVERY, **train},
+        "optim": {"lr": 2e-3, "warmup_ratio": 0.05},
+        "checkpoint": {"every_steps": SFT_EVERY, "keep_last": 5},
+        "logging": {"output_dir": str(output_dir), "progress_bar": False},
+    }
+    path.write_text(json.dumps(config))
+    return path
 
 
 def write_rm_config(path: Path, tiny_model_dir: Path, rm_data: Path, output_dir: Path, **train) -> Path:

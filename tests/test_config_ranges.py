@@ -13,10 +13,11 @@ import jsonschema
 import pytest
 
 from engine.config import DS_CONFIGS_DIR, ConfigError, build_config
-from engine.run_config import PPOConfig, RewardModelConfig, schemas
+from engine.run_config import SCRIPT_CONFIGS, PPOConfig, RewardModelConfig, SFTConfig, schemas
 
 DS = {"zero_optimization": {"stage": 3}}
 MINIMAL = {
+    SFTConfig: {"model": {"path": "m"}, "data": {"train": "t.parquet"}, "deepspeed": DS},
     RewardModelConfig: {"model": {"path": "m"}, "data": {"train": "t.parquet", "validation": "v.parquet"}, "deepspeed": DS},
     PPOConfig: {"actor": {"path": "a"}, "reward_model": {"path": "r"}, "data": {"prompts": "p.parquet"}, "deepspeed": DS},
 }
@@ -50,7 +51,7 @@ CASES = [(cls, key, value) for cls in MINIMAL for key in leaf_fields(cls) for va
 
 @pytest.mark.parametrize("cls", list(MINIMAL), ids=lambda c: c.__name__)
 def test_every_field_at_every_boundary_builds_or_is_refused_by_name(cls):
-    schema = schemas()[f"{'train_rm' if cls is RewardModelConfig else 'train_ppo'}.schema.json"]
+    schema = schemas()[next(f"{name}.schema.json" for name, c in SCRIPT_CONFIGS.items() if c is cls)]
     validator = jsonschema.Draft202012Validator(schema)
     build_config(cls, MINIMAL[cls], source="run.json")  # the minimal config itself is valid
     refused = 0

@@ -56,7 +56,7 @@ def test_two_ranks_under_the_deepspeed_launcher(one_rank, tiny_model_dir):
     assert result["losses"][1] != pytest.approx(single[1], abs=1e-6)
 
 
-@pytest.mark.parametrize("name, schema", [("demo_rm.json", "RewardModelConfig"), ("demo_ppo.json", "PPOConfig")])
+@pytest.mark.parametrize("name, schema", [("demo_sft.json", "SFTConfig"), ("demo_rm.json", "RewardModelConfig"), ("demo_ppo.json", "PPOConfig")])
 def test_demo_run_configs_load(name, schema):
     from engine import run_config
     from engine.config import load_config

@@ -15,7 +15,7 @@ from data_prep.preferences import DroppedRow, InvalidRow, parse_preference_row
 from data_prep.prepare_preferences import Tally, read_pairs
 from data_prep.sources import DataError
 from engine.config import ConfigError, build_config
-from engine.run_config import PPOConfig, RewardModelConfig
+from engine.run_config import SCRIPT_CONFIGS
 
 ROW_KEYS = ["prompt", "chosen", "rejected", "margin", "components", "role", "content", "extra"]
 scalars = st.one_of(
@@ -67,9 +67,9 @@ section_names = ["model", "actor", "data", "rm", "train", "optim", "checkpoint",
 
 
 @settings(max_examples=300, deadline=None)
-@given(data=st.dictionaries(st.sampled_from(section_names), config_values, max_size=6), ppo=st.booleans())
-def test_any_config_builds_or_is_refused_naming_the_file(data, ppo):
+@given(data=st.dictionaries(st.sampled_from(section_names), config_values, max_size=6), script=st.sampled_from(sorted(SCRIPT_CONFIGS)))
+def test_any_config_builds_or_is_refused_naming_the_file(data, script):
     try:
-        build_config(PPOConfig if ppo else RewardModelConfig, data, source="run.json")
+        build_config(SCRIPT_CONFIGS[script], data, source="run.json")
     except ConfigError as e:
         assert str(e).startswith("run.json: ")

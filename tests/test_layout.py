@@ -7,11 +7,11 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-# Lowest first. A module may import from its own layer's package and from layers below it; rm and
-# ppo are peers that never import each other. engine/config.py and engine/run_config.py (the config
+# Lowest first. A module may import from its own layer's package and from layers below it; sft, rm
+# and ppo are peers that never import each other. engine/config.py and engine/run_config.py (the config
 # schema) sit under everything; train/ sits on top.
 LAYERS = [("engine.config", "engine.run_config"), ("engine.data",), ("engine.observe",), ("engine.runtime",),
-          ("engine.rollout",), ("engine.rm", "engine.ppo"), ("train",)]
+          ("engine.rollout",), ("engine.sft", "engine.rm", "engine.ppo"), ("train",)]
 
 
 def module_name(path: Path) -> str:

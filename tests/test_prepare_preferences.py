@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from data_prep import make_tiny_model, prepare_preferences
+from data_prep import prepare_preferences
 
 SPLITS = ("train", "validation", "prompts_train", "prompts_validation")
 
@@ -145,13 +145,6 @@ def test_no_usable_rows_is_an_error(tmp_path, tiny_model_dir, capsys):
     src = write_jsonl(tmp_path / "same.jsonl", [{"prompt": "p", "chosen": "x", "rejected": "x"}])
     assert run(tmp_path, [src], tiny_model_dir)[0] == 2
     assert "no usable pairs" in capsys.readouterr().err
-
-
-@pytest.fixture(scope="module")
-def hh_tokenizer(tmp_path_factory, hh_path):
-    out = tmp_path_factory.mktemp("hh") / "tok"
-    assert make_tiny_model.main(["--text", str(hh_path), "--out", str(out), "--num-layers", "1"]) == 0
-    return out
 
 
 def test_real_hh_harmless_converts_cleanly(tmp_path, hh_path, hh_tokenizer):

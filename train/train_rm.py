@@ -13,7 +13,6 @@ from __future__ import annotations
 import engine.runtime.cpu_threads  # noqa: F401 -- first: OpenMP's wait policy, before torch loads libgomp
 
 # isort: split
-import math
 import os
 import time
 from functools import partial
@@ -21,7 +20,7 @@ from functools import partial
 import torch
 
 from engine.config import config_to_dict
-from engine.data.batching import epoch_order, plan_global, token_mean_scale
+from engine.data.batching import epoch_order, epoch_schedule, plan_global, token_mean_scale
 from engine.data.errors import DataFileError
 from engine.data.packing import dummy_forward_loss
 from engine.data.preferences import PreferenceExample, collate_pairs, load_preferences, pairs_that_fit
@@ -96,10 +95,7 @@ def main() -> int:
     components = list(cfg.rm.components)
     weights = torch.tensor([cfg.rm.components[c] for c in components])
     train, validation = (load_pairs(path, tokenizer, cfg, rank) for path in (cfg.data.train, cfg.data.validation))
-    steps_per_epoch = math.ceil(len(train) / cfg.train.pairs_per_step)
-    total_steps = cfg.train.epochs * steps_per_epoch
-    if cfg.train.max_steps:
-        total_steps = min(total_steps, cfg.train.max_steps)
+    steps_per_epoch, total_steps = epoch_schedule(len(train), cfg.train.pairs_per_step, cfg.train.epochs, cfg.train.max_steps)
     if run_args.dry_run:
         return rm_plan(cfg, train, validation, ds_config, world) if rank == 0 else 0
     run = RunLifecycle(

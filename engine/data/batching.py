@@ -17,6 +17,7 @@ The planning functions are pure Python on lists of lengths; indices refer to the
 from __future__ import annotations
 
 import heapq
+import math
 from typing import Sequence
 
 import numpy as np
@@ -140,3 +141,11 @@ def epoch_order(num_examples: int, seed: int, epoch: int) -> np.ndarray:
     """The shuffled example order of an epoch: a function of (seed, epoch) only, so a resumed
     run finds its place from the epoch and the step within it."""
     return np.random.default_rng([seed, epoch]).permutation(num_examples)
+
+
+def epoch_schedule(num_examples: int, per_step: int, epochs: int, max_steps: int = 0) -> tuple[int, int]:
+    """(optimizer steps per epoch, steps of the run): ``epochs`` passes of ``per_step`` examples
+    per step (the last step of an epoch takes what is left), capped at ``max_steps`` when set."""
+    per_epoch = math.ceil(num_examples / per_step)
+    total = epochs * per_epoch
+    return per_epoch, min(total, max_steps) if max_steps else total

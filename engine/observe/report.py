@@ -7,9 +7,9 @@ samples.jsonl; writes RUN_DIR/report.html (or PATH) and its PNG plots into a ``r
 folder beside it, linked relatively. A run still writing renders too (a half-written last
 line is left out), and non-finite metric values are skipped in the plots.
 
-The run kind is "rm" when a metric key starts with ``rm/`` and "ppo" when one starts with
-``ppo/``. A plot none of whose keys was logged is left out. ``EXPECTED_PLOTS[kind]`` names
-the plots a complete run of a kind always has: every RM plot, and every PPO plot except
+The run kind is "sft", "rm" or "ppo" when a metric key starts with ``sft/``, ``rm/`` or ``ppo/``.
+A plot none of whose keys was logged is left out. ``EXPECTED_PLOTS[kind]`` names
+the plots a complete run of a kind always has: every SFT and RM plot, and every PPO plot except
 ``win_rate.png`` and ``monitors.png``, which come from evaluation against the reference
 policy and so are missing from a run without eval prompts.
 """
@@ -34,7 +34,7 @@ from matplotlib.figure import Figure
 from engine.observe.records import read_records
 
 Records = list[dict[str, Any]]
-HEADLINE = {"rm": ("eval/acc", "eval/loss_total"), "ppo": ("ppo/score", "ppo/kl", "eval/reward", "eval/win_rate")}
+HEADLINE = {"sft": ("sft/loss", "eval/loss", "eval/perplexity"), "rm": ("eval/acc", "eval/loss_total"), "ppo": ("ppo/score", "ppo/kl", "eval/reward", "eval/win_rate")}
 # Vertical lines on the PPO reward plot: event kind -> (colour, line style).
 MARKED_EVENTS = {"rollback": ("black", ":"), "rollback_give_up": ("black", "-"), "kl_guard": ("magenta", ":")}
 ERROR_EVENTS = ("nonfinite_abort", "rollback_give_up")
@@ -71,9 +71,9 @@ def kl_ceiling(config: dict[str, Any] | None) -> float | None:
 
 
 def run_kind(records: Records) -> str:
-    """The run kind: rm, ppo, or unknown (e.g. a PPO run that has only logged its step-0 eval)."""
+    """The run kind: sft, rm, ppo, or unknown (e.g. a PPO run that has only logged its step-0 eval)."""
     keys = {k for r in records for k in r}
-    return next((kind for kind in ("rm", "ppo") if any(k.startswith(kind + "/") for k in keys)), "unknown")
+    return next((kind for kind in ("sft", "rm", "ppo") if any(k.startswith(kind + "/") for k in keys)), "unknown")
 
 
 # ---- plot families: each draws into a Figure and says whether it found any data ----
@@ -123,7 +123,7 @@ def plot_rm_accuracy(fig: Figure, run: Run) -> bool:
 
 def plot_lr_grad_norm(fig: Figure, run: Run) -> bool:
     top, bottom = fig.subplots(2, 1, sharex=True)
-    drawn = [_line(top, run.metrics, "rm/lr"), _line(bottom, run.metrics, "rm/grad_norm", color="C1")]
+    drawn = [_line(top, run.metrics, f"{run.kind}/lr"), _line(bottom, run.metrics, f"{run.kind}/grad_norm", color="C1")]
     _finish(top, "learning rate")
     _finish(bottom, "grad norm")
     top.set_xlabel("")
@@ -191,6 +191,11 @@ class Plot(NamedTuple):
 
 
 PLOTS: dict[str, tuple[Plot, ...]] = {
+    "sft": (
+        Plot("loss.png", "Loss on assistant tokens (eval: held-out)", _lines("sft/loss", "eval/loss", ylabel="nats/token")),
+        Plot("lr_grad_norm.png", "Learning rate and gradient norm", plot_lr_grad_norm),
+        Plot("throughput.png", "Throughput", _lines("timing/tokens_per_s", ylabel="tokens/s")),
+    ),
     "rm": (
         Plot("loss.png", "Loss", _lines("rm/loss_total", "eval/loss_total", ylabel="loss")),
         Plot("accuracy.png", "Accuracy (dashed: eval)", plot_rm_accuracy),

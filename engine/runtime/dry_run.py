@@ -8,7 +8,6 @@ stage, and writes nothing. Needs no process group; the world size is the launche
 
 from __future__ import annotations
 
-import math
 from typing import Any, Sequence
 
 import numpy as np
@@ -17,7 +16,7 @@ from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-from engine.data.batching import epoch_order, plan_global, plan_micro_batches
+from engine.data.batching import epoch_order, epoch_schedule, plan_global, plan_micro_batches
 from engine.data.chat import prompt_ids
 from engine.runtime.deepspeed_glue import zero_stage
 from engine.runtime.models import value_model_config
@@ -71,21 +70,42 @@ def print_models(models: list[tuple[str, str, bool, Sequence[str] | None, bool]]
         print(f"  {name:<12} {total:>15,} parameters ({'trained' if trained else 'frozen'}): {memory}")
 
 
+def step_plan(lengths: list[int], per_step: int, budget: int, world: int) -> str:
+    """Micro-batches per optimizer step over one epoch's order of item ``lengths``."""
+    plans = [plan_global(lengths[start : start + per_step], budget, world) for start in range(0, len(lengths), per_step)]
+    counts = [len(plan[0]) for plan in plans]
+    fill = [sum(lengths[i] for i in micro) for micro in plans[0][0] if micro]
+    return (f"micro-batches (budget {budget} tokens, packed): {np.mean(counts):.1f} per step on average, max {max(counts)}; "
+            f"step 1 on rank 0: {fill} tokens")
+
+
+def sft_plan(cfg, train: list, validation: list, ds_config: dict[str, Any], world: int) -> int:
+    """The SFT run: data, per-step micro-batch plan, parameters, memory."""
+    print(f"dry run of train_sft.py ({world} rank(s)); nothing is trained or written")
+    print(f"train conversations:      {length_stats([c.num_tokens for c in train])}; "
+          f"{sum(c.num_trained for c in train):,} trained (assistant) tokens")
+    if validation:
+        print(f"validation conversations: {length_stats([c.num_tokens for c in validation])}")
+    per_step = cfg.train.conversations_per_step
+    per_epoch, total = epoch_schedule(len(train), per_step, cfg.train.epochs, cfg.train.max_steps)
+    print(f"schedule: {per_step} conversations per step, {per_epoch} steps per epoch, {total} steps")
+    epoch = [train[i].num_tokens for i in epoch_order(len(train), cfg.train.seed, 0)]  # the first epoch's steps
+    print(step_plan(epoch, per_step, cfg.train.max_tokens_per_micro_batch, world))
+    print("models:")
+    print_models([("policy", cfg.model.path, False, None, True)], ds_config, world, cfg.model)
+    return 0
+
+
 def rm_plan(cfg, train: list, validation: list, ds_config: dict[str, Any], world: int) -> int:
     """The reward-model run: data, per-step micro-batch plan, parameters, memory."""
     print(f"dry run of train_rm.py ({world} rank(s)); nothing is trained or written")
     print(f"train pairs:      {length_stats([e.num_tokens for e in train])} (chosen + rejected)")
     print(f"validation pairs: {length_stats([e.num_tokens for e in validation])}")
-    steps_per_epoch = math.ceil(len(train) / cfg.train.pairs_per_step)
-    total = cfg.train.epochs * steps_per_epoch if not cfg.train.max_steps else min(cfg.train.max_steps, cfg.train.epochs * steps_per_epoch)
-    print(f"schedule: {cfg.train.pairs_per_step} pairs per step, {steps_per_epoch} steps per epoch, {total} steps")
-    budget, size = cfg.train.max_tokens_per_micro_batch, cfg.train.pairs_per_step
+    per_step = cfg.train.pairs_per_step
+    per_epoch, total = epoch_schedule(len(train), per_step, cfg.train.epochs, cfg.train.max_steps)
+    print(f"schedule: {per_step} pairs per step, {per_epoch} steps per epoch, {total} steps")
     epoch = [train[i].num_tokens for i in epoch_order(len(train), cfg.train.seed, 0)]  # the first epoch's steps
-    plans = [plan_global(epoch[start : start + size], budget, world) for start in range(0, len(epoch), size)]
-    counts = [len(plan[0]) for plan in plans]
-    fill = [sum(epoch[i] for i in micro) for micro in plans[0][0] if micro]
-    print(f"micro-batches (budget {budget} tokens, packed): {np.mean(counts):.1f} per step on average, max {max(counts)}; "
-          f"step 1 on rank 0: {fill} tokens")
+    print(step_plan(epoch, per_step, cfg.train.max_tokens_per_micro_batch, world))
     print("models:")
     print_models([("reward model", cfg.model.path, True, list(cfg.rm.components), True)], ds_config, world, cfg.model)
     return 0

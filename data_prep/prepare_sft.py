@@ -1,0 +1,93 @@
+"""Convert chat data (conversations, prompt/response rows, or the chosen side of preference data)
+into parquet splits for supervised fine-tuning (train/train_sft.py).
+
+    python -m data_prep.prepare_sft --input demos.jsonl [--input hh.jsonl.gz ...] \\
+        --tokenizer path/to/model --out data/ [--validation-fraction 0.05] [--seed 0]
+
+Writes ``sft_train.parquet`` and ``sft_validation.parquet`` (columns ``source`` = ``file:line``,
+``messages``, ``num_tokens``, ``trained_tokens``: the assistant's) and ``sft_summary.json`` into
+``--out``, so they can sit beside the preference files of data_prep/prepare_preferences.py. The
+split is by prompt (the messages before the first assistant turn) and deterministic by seed; a
+split without rows is not written. Row shapes: see data_prep/conversations.py.
+
+A malformed row stops the run with ``file:line: field 'x': ...``; ``--skip-invalid`` skips and
+counts it instead. Conversations with an empty assistant turn or over ``--max-length`` tokens are
+dropped and counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Sequence
+
+import pyarrow as pa
+from transformers import AutoTokenizer
+
+from data_prep.conversations import parse_conversation_row
+from data_prep.sources import DataError
+from data_prep.splits import MESSAGES, Tally, format_report, percentiles, read_rows, split_by_prompt, write_atomically
+from engine.data.conversations import tokenize_conversations
+
+SFT_SCHEMA = pa.schema([("source", pa.string()), ("messages", MESSAGES), ("num_tokens", pa.int32()), ("trained_tokens", pa.int32())])
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--input", action="append", required=True, help="file (.jsonl/.jsonl.gz/.json/.parquet) or datasets name/path; repeatable")
+    parser.add_argument("--split", default="train", help="split to read from a datasets name/path")
+    parser.add_argument("--tokenizer", required=True, help="tokenizer (model dir) whose chat template renders the conversations")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--validation-fraction", type=float, default=0.05,
+                        help="fraction of conversations held out, split by prompt (1: all of them, a validation-only file)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the train/validation split")
+    parser.add_argument("--max-length", type=int, default=1024, help="drop conversations with more tokens")
+    parser.add_argument("--skip-invalid", action="store_true", help="skip malformed rows (counted by reason) instead of failing")
+    args = parser.parse_args(argv)
+    if not 0.0 <= args.validation_fraction <= 1.0:
+        parser.error(f"--validation-fraction must be in [0, 1], got {args.validation_fraction}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    tally = Tally()
+    try:
+        parsed = read_rows(args.input, args.split, args.skip_invalid, tally, parse_conversation_row)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    rows = []
+    for start in range(0, len(parsed), 512):
+        part = parsed[start : start + 512]
+        for (source, messages), tokens in zip(part, tokenize_conversations(tokenizer, [m for _, m in part])):
+            if tokens.num_tokens > args.max_length:
+                tally.dropped["too_long"] += 1
+            else:
+                rows.append({"source": source, "messages": messages, "num_tokens": tokens.num_tokens, "trained_tokens": tokens.num_trained})
+    if not rows:
+        print(f"error: no usable conversations in {args.input} (read {tally.read})", file=sys.stderr)
+        return 2
+    prompts = [r["messages"][: next(i for i, m in enumerate(r["messages"]) if m["role"] == "assistant")] for r in rows]
+    in_validation = split_by_prompt(prompts, args.validation_fraction, args.seed)
+    splits = {"train": [r for i, r in enumerate(rows) if i not in in_validation], "validation": [rows[i] for i in sorted(in_validation)]}
+    os.makedirs(args.out, exist_ok=True)
+    for split, split_rows in splits.items():
+        if split_rows:
+            write_atomically(pa.Table.from_pylist(split_rows, schema=SFT_SCHEMA), os.path.join(args.out, f"sft_{split}.parquet"))
+    lengths = percentiles({"conversation": [r["num_tokens"] for r in rows], "trained": [r["trained_tokens"] for r in rows]})
+    summary = {"inputs": args.input, "tokenizer": args.tokenizer, "seed": args.seed, "read": tally.read, "kept": tally.kept,
+               **{split: len(split_rows) for split, split_rows in splits.items()},
+               "dropped": dict(tally.dropped), "invalid": dict(tally.invalid), "token_lengths": lengths}
+    with open(os.path.join(args.out, "sft_summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(format_report(tally, len(splits["train"]), len(splits["validation"]), lengths))
+    print(f"wrote {args.out}/{{{','.join(f'sft_{n}' for n, r in splits.items() if r)}}}.parquet")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""What the prepare_* scripts share: reading and counting rows, the split by prompt, atomic
+parquet writes and the end-of-run table."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence, TypeVar
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from data_prep.preferences import DroppedRow, InvalidRow, Message
+from data_prep.sources import DataError, iter_rows
+
+MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+T = TypeVar("T")
+
+
+@dataclass
+class Tally:
+    """Counts of what happened to the input rows."""
+
+    read: int = 0
+    dropped: Counter = field(default_factory=Counter)  # reason -> rows (well-formed, unused)
+    invalid: Counter = field(default_factory=Counter)  # reason -> rows (malformed, skipped)
+
+    @property
+    def kept(self) -> int:
+        return self.read - sum(self.dropped.values()) - sum(self.invalid.values())
+
+
+def read_rows(inputs: Sequence[str], split: str, skip_invalid: bool, tally: Tally, parse: Callable[[Any], T]) -> list[tuple[str, T]]:
+    """``(location, parse(row))`` of every input row; malformed rows raise DataError unless
+    ``skip_invalid``; dropped and skipped rows are counted by reason."""
+    parsed = []
+    for source in inputs:
+        for location, raw in iter_rows(source, split):
+            tally.read += 1
+            try:
+                parsed.append((location, parse(raw)))
+            except DroppedRow as e:
+                tally.dropped[e.reason] += 1
+            except InvalidRow as e:
+                if not skip_invalid:
+                    raise DataError(f"{location}: {e} (--skip-invalid skips and counts such rows)") from None
+                tally.invalid[e.reason] += 1
+    return parsed
+
+
+def split_by_prompt(prompts: Sequence[Sequence[Message]], validation_fraction: float, seed: int) -> set[int]:
+    """Indices of the validation rows of a deterministic split in which every prompt lands in one split only.
+
+    Prompt groups are visited in a seeded random order and given to validation until it holds
+    ``round(validation_fraction * len(prompts))`` rows.
+    """
+    groups: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        groups.setdefault(json.dumps(prompt, sort_keys=True), []).append(i)
+    order = np.random.default_rng(seed).permutation(len(groups))
+    members = list(groups.values())
+    target = round(validation_fraction * len(prompts))
+    in_validation: set[int] = set()
+    for g in order:
+        if len(in_validation) >= target:
+            break
+        in_validation.update(members[g])
+    return in_validation
+
+
+def write_atomically(table: pa.Table, path: str) -> None:
+    # Written beside the target and renamed when whole: a crash never leaves a truncated file.
+    tmp = f"{path}.tmp-{os.getpid()}"
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+
+
+def percentiles(columns: dict[str, list[int]]) -> dict[str, dict[str, int]]:
+    """p50/p90/p99/max of each column of token counts."""
+    stats = {}
+    for name, values in columns.items():
+        a = np.asarray(values or [0])
+        stats[name] = {q: int(np.percentile(a, p)) for q, p in (("p50", 50), ("p90", 90), ("p99", 99))}
+        stats[name]["max"] = int(a.max())
+    return stats
+
+
+def format_report(tally: Tally, n_train: int, n_validation: int, lengths: dict[str, dict[str, int]]) -> str:
+    """The end-of-run table: rows by fate and reason, then token-length percentiles."""
+    lines = ["rows", f"  {'read':<28}{tally.read:>8}", f"  {'kept':<28}{tally.kept:>8}"]
+    lines += [f"    {'train':<26}{n_train:>8}", f"    {'validation':<26}{n_validation:>8}"]
+    for title, counts in (("dropped", tally.dropped), ("invalid (skipped)", tally.invalid)):
+        lines.append(f"  {title:<28}{sum(counts.values()):>8}")
+        lines += [f"    {reason:<26}{n:>8}" for reason, n in sorted(counts.items())]
+    lines.append(f"tokens {'':<21}{'p50':>8}{'p90':>8}{'p99':>8}{'max':>8}")
+    for name, s in lengths.items():
+        lines.append(f"  {name:<27}{s['p50']:>8}{s['p90']:>8}{s['p99']:>8}{s['max']:>8}")
+    return "\n".join(lines)
