@@ -7,7 +7,7 @@ out="${1:-runs/demo}"
 export DS_ACCELERATOR=cpu TOKENIZERS_PARALLELISM=false
 
 echo "== 1/6 synthetic task: preference pairs and demonstrations"
-python -m data_prep.synthetic_task --out "$out/raw/pairs.jsonl" --num-pairs 4000 --seed 0 \
+python -m data_prep.synthetic_task --out "$out/raw/pairs.jsonl" --num-pairs 3000 --seed 0 \
     --demonstrations-out "$out/raw/demonstrations.jsonl" --num-demonstrations 2000
 echo "== 2/6 tiny model and tokenizer"
 python -m data_prep.make_tiny_model --text "$out/raw/pairs.jsonl" --out "$out/tiny-base" --seed 0

@@ -12,11 +12,13 @@ from pathlib import Path
 
 import psutil
 
+from data_prep.synthetic_task import FILLER, NEGATIVE, POSITIVE, TOPICS
 from engine.observe.records import read_records
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCHER = str(Path(sys.executable).parent / "deepspeed")
 RM_COMPONENTS = {"helpful": 0.5, "harmless": 0.5}
+TASK_WORDS = {*FILLER, *NEGATIVE, *POSITIVE, *TOPICS}  # the synthetic task's vocabulary (lower case)
 SFT_STEPS, SFT_EVERY = 40, 15  # into the second epoch of 1,136 demonstrations; a checkpoint and an evaluation every 15 steps
 RM_STEPS, RM_EVERY = 60, 20  # two epochs of 1,900 pairs; a checkpoint every 20 steps
 PPO_ITERATIONS, PPO_EVERY = 30, 10  # evaluation and checkpoint every 10 iterations

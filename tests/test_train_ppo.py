@@ -10,22 +10,37 @@ import sys
 
 import pytest
 import torch
-from helpers import PPO_ITERATIONS, REPO, faults, launch, metric_series, read_events, start_launched, wait_for_step, workers, write_ppo_config
+from helpers import (
+    PPO_EVERY,
+    PPO_ITERATIONS,
+    REPO,
+    TASK_WORDS,
+    faults,
+    launch,
+    metric_series,
+    read_events,
+    start_launched,
+    wait_for_step,
+    workers,
+    write_ppo_config,
+)
 from transformers import AutoModelForCausalLM
 
 from engine.observe.records import read_records
 from engine.observe.report import expected_plots
 
-ITERATIONS = PPO_ITERATIONS
+ITERATIONS, EVERY = PPO_ITERATIONS, PPO_EVERY
 # Every per-iteration value that must repeat exactly after a resume (timings excluded).
 DETERMINISTIC = ("ppo/score", "ppo/kl", "ppo/pg_loss", "ppo/vf_loss", "ppo/entropy", "ppo/response_length", "ppo/kl_coef")
 
 
 @pytest.fixture(scope="module")
-def ppo_run(tmp_path_factory, tiny_model_dir, rm_run, rm_data):
+def ppo_run(tmp_path_factory, sft_run, rm_run, rm_data):
+    """PPO from the SFT policy, as in the demo (its actor LR and initial KL coefficient)."""
     root = tmp_path_factory.mktemp("ppo")
-    rm_root, _ = rm_run
-    config = write_ppo_config(root / "ppo.json", tiny_model_dir, rm_root / "run" / "model", rm_data, root / "run")
+    (rm_root, _), (sft_root, _) = rm_run, sft_run
+    config = write_ppo_config(root / "ppo.json", sft_root / "run" / "model", rm_root / "run" / "model", rm_data, root / "run",
+                              optim__lr=3e-4, ppo__kl_coef=0.2)
     return root, launch("train_ppo.py", config)
 
 
@@ -40,12 +55,13 @@ def test_learns_on_the_synthetic_task_with_bounded_kl(ppo_run):
     held_out = metric_series(root / "run", "eval/reward")
     assert held_out[ITERATIONS] > held_out[0] + 0.2, held_out
     kl = metric_series(root / "run", "ppo/kl_per_token")  # the adaptive controller's target: 0.05 per token
-    assert max(kl.values()) < 0.2 and sum(kl[i] for i in range(ITERATIONS - 4, ITERATIONS + 1)) / 5 < 0.1, kl
+    assert max(kl.values()) < 0.25 and sum(kl[i] for i in range(ITERATIONS - 4, ITERATIONS + 1)) / 5 < 0.1, kl
     coef = metric_series(root / "run", "ppo/kl_coef")
     assert coef[ITERATIONS] > 2 * coef[1]  # the adaptive controller raised the coefficient to hold the KL
     win = metric_series(root / "run", "eval/win_rate")  # against the reference's responses, under the RM
     assert abs(win[0] - 0.5) < 0.2, win  # the policy is the reference: a coin flip
-    assert win[ITERATIONS] > 0.65 and win[ITERATIONS] > win[0] + 0.15, win
+    later = [win[i] for i in range(EVERY, ITERATIONS + 1, EVERY)]
+    assert win[ITERATIONS] > 0.65 and sum(later) / len(later) > win[0] + 0.15, win  # 21 prompts: each is ~0.05
     assert metric_series(root / "run", "eval/kl")[0] == 0.0
 
 
@@ -67,6 +83,20 @@ def test_report_renders_every_plot_with_stable_metric_keys(ppo_run):
     assert sorted({s["step"] for s in samples}) == [0, 10, 20, 30]
     assert {"prompt", "response", "reward", "kl", "ref_response", "ref_reward"} <= samples[0].keys()
     assert samples[0]["response"] in page or samples[-1]["response"][:20] in page
+
+
+def test_sample_rollouts_are_readable_text_before_and_after(ppo_run):
+    """From the SFT start the policy and the reference write the task's words: samples.jsonl (and
+    so the report) holds text, not replacement-character soup."""
+    root, _ = ppo_run
+    samples = read_records(str(root / "run" / "samples.jsonl"))
+    texts = [s[key] for s in samples for key in ("response", "ref_response")]
+    words = [w.strip(".") for t in texts for w in t.split()]
+    assert sum(w.lower() in TASK_WORDS for w in words) >= 0.8 * len(words), texts
+    assert sum("\ufffd" in t for t in texts) <= len(texts) // 10, texts
+    first, last = min(s["step"] for s in samples), max(s["step"] for s in samples)
+    mean = lambda step: sum(s["reward"] for s in samples if s["step"] == step) / sum(s["step"] == step for s in samples)
+    assert mean(last) > mean(first), samples  # the same held-out prompts, scored higher after PPO
 
 
 def test_sampler_stays_in_sync_with_the_actor(ppo_run):

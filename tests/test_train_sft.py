@@ -12,14 +12,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import REPO, SFT_EVERY, SFT_STEPS, launch, metric_series, write_sft_config
+from helpers import REPO, SFT_EVERY, SFT_STEPS, TASK_WORDS, launch, metric_series, write_sft_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from data_prep.synthetic_task import FILLER, NEGATIVE, POSITIVE, TOPICS
 from engine.observe.records import read_records
 from engine.observe.report import expected_plots
-
-TASK_WORDS = {w.capitalize() for w in [*FILLER, *NEGATIVE, *POSITIVE, *TOPICS]} | {*FILLER, *NEGATIVE, *POSITIVE, *TOPICS}
 
 
 def losses(output_dir: Path) -> dict[int, float]:
@@ -62,7 +59,7 @@ def test_exported_model_writes_the_task_language(sft_run, tiny_model_dir):
     finished = [t.split("<|im_end|>")[0] for t in texts if "<|im_end|>" in t]
     assert len(finished) >= 12, texts
     words = [w.strip(".") for t in finished for w in t.split()]
-    assert sum(w in TASK_WORDS for w in words) >= 0.85 * len(words), finished
+    assert sum(w.lower() in TASK_WORDS for w in words) >= 0.85 * len(words), finished
     assert not any("\ufffd" in t for t in finished), finished
     start = sample(tiny_model_dir)
     assert sum("<|im_end|>" in t for t in start) < 4, start
