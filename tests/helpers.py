@@ -65,7 +65,7 @@ def write_sft_config(path: Path, tiny_model_dir: Path, sft_data: Path, output_di
         "deepspeed": "tiny_cpu_zero3.json",
         "train": {"epochs": 2, "conversations_per_step": 32, "max_tokens_per_micro_batch": 1024, "max_steps": SFT_STEPS,
                   "eval_every_steps": SFT_EVERY, **train},
-        "optim": {"lr": 2e-3, "warmup_ratio": 0.05},
+        "optim": {"lr": 2e-3, "warmup_ratio": 0.0, "lr_scheduler": "constant_with_warmup"},  # a shorter run follows the same curve
         "checkpoint": {"every_steps": SFT_EVERY, "keep_last": 5},
         "logging": {"output_dir": str(output_dir), "progress_bar": False},
     }

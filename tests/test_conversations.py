@@ -6,7 +6,6 @@ from __future__ import annotations
 import gzip
 import json
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -16,7 +15,6 @@ from data_prep import prepare_sft
 from data_prep.conversations import parse_conversation_row
 from data_prep.preferences import DroppedRow, InvalidRow
 from engine.data.conversations import load_conversations, tokenize_conversations
-from engine.data.errors import DataFileError
 from engine.data.packing import pack_sequences
 from engine.sft.causal_lm import token_nll
 
@@ -125,12 +123,6 @@ def test_prepare_sft_refuses_a_malformed_row_by_file_and_line(tmp_path, tiny_mod
     code, out = run(tmp_path, [tmp_path / "demos.jsonl"], tiny_model_dir)
     assert code == 2 and f"{tmp_path / 'demos.jsonl'}:2: field 'messages'" in capsys.readouterr().err
     assert not out.exists()
-
-
-def test_a_file_without_messages_is_refused_by_name(tmp_path, tiny_model_dir):
-    pq.write_table(pa.table({"prompt": ["x"]}), tmp_path / "x.parquet")
-    with pytest.raises(DataFileError, match=r"x.parquet: missing column\(s\) \['messages'\]"):
-        load_conversations(str(tmp_path / "x.parquet"), AutoTokenizer.from_pretrained(tiny_model_dir))
 
 
 def test_real_hh_chosen_dialogues_convert_with_every_assistant_turn(tmp_path, hh_path, hh_tokenizer):

@@ -88,11 +88,11 @@ def test_two_ranks_and_another_packing_follow_the_one_rank_curve(sft_run, tiny_m
     """The loss is a token-mean over the whole mini-batch: 2 ranks with a smaller token budget
     (other micro-batches, other packing) give the same curve."""
     root, _ = sft_run
-    config = write_sft_config(tmp_path / "sft.json", tiny_model_dir, sft_data, tmp_path / "run", max_tokens_per_micro_batch=300)
+    config = write_sft_config(tmp_path / "sft.json", tiny_model_dir, sft_data, tmp_path / "run", max_tokens_per_micro_batch=300, max_steps=10)
     launch("train_sft.py", config, "--checkpoint.every_steps", "0", "--logging.wandb", "false", ranks=2)
     one, two = losses(root / "run"), losses(tmp_path / "run")
-    assert sorted(two) == sorted(one)
-    for step in one:
+    assert sorted(two) == list(range(1, 11))
+    for step in two:
         assert two[step] == pytest.approx(one[step], rel=1e-3, abs=1e-4), step
 
 
@@ -101,7 +101,6 @@ def test_bad_data_and_config_are_refused_before_any_model_loads(tiny_model_dir, 
     pq.write_table(pa.table({"prompt": ["hi"]}), tmp_path / "bad.parquet")
     cases = [
         (["--data.train", str(tmp_path / "bad.parquet")], "missing column(s) ['messages']"),
-        (["--train.conversations_per_step", "0"], "'train.conversations_per_step' must be >= 1, got 0"),
         (["--model.path", str(tmp_path / "nowhere")], "'model.path'"),
     ]
     for extra, message in cases:
