@@ -233,7 +233,10 @@ class PPOSection:
         "k3", "estimator of the KL loss (k3: non-negative, low variance; with k1 the loss has ~zero expected gradient)"
     )
     entropy_coef: float = option(0.0, "entropy bonus in the actor loss", ge=0)
-    whiten_advantages: bool = option(True, "standardise advantages over the rollout batch (all ranks)")
+    advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = option(
+        "gae", "gae (with a critic); critic-free, no critic engine: grpo (group mean/std), rloo (leave-one-out), reinforce_pp (global baseline)"
+    )
+    whiten_advantages: bool = option(True, "standardise GAE advantages over the rollout batch (all ranks)")
 
 
 @dataclass
@@ -285,6 +288,11 @@ class PPOConfig:
         self.actor.bf16 = resolve_deepspeed_dtype(self.deepspeed, self.actor.bf16, "actor.bf16")
         if self.guards.rollback_drop is not None and not (self.data.eval_prompts and self.train.eval_every):
             raise ConfigError("guards.rollback_drop needs data.eval_prompts and train.eval_every > 0 (the held-out reward it watches)")
+        estimator = self.ppo.advantage_estimator
+        if estimator in ("grpo", "rloo") and self.rollout.samples_per_prompt < 2:
+            raise ConfigError(f"ppo.advantage_estimator {estimator} compares the samples of a prompt: set rollout.samples_per_prompt >= 2")
+        if estimator != "gae" and self.critic.warmup_iterations:
+            raise ConfigError(f"critic.warmup_iterations needs a critic, and ppo.advantage_estimator {estimator} has none: set it to 0")
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rollout = self.rollout.prompts_per_iteration * self.rollout.samples_per_prompt
         if self.rollout.prompts_per_iteration % world:

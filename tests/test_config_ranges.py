@@ -127,3 +127,20 @@ def test_bf16_follows_the_deepspeed_config_unless_the_run_config_says():
     assert build("tiny_cpu_zero3.json").model.bf16 is False
     assert build("tiny_cpu_zero3.json", bf16=True).model.bf16 is True
     assert build({**DS, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": "auto"}).model.bf16 is False
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"ppo": {"advantage_estimator": "grpo"}}, "ppo.advantage_estimator grpo compares the samples of a prompt: set rollout.samples_per_prompt >= 2"),
+        ({"ppo": {"advantage_estimator": "rloo"}, "rollout": {"samples_per_prompt": 1}}, "rloo compares the samples of a prompt"),
+        ({"ppo": {"advantage_estimator": "reinforce_pp"}, "critic": {"warmup_iterations": 2}},
+         "critic.warmup_iterations needs a critic, and ppo.advantage_estimator reinforce_pp has none"),
+    ],
+)
+def test_critic_free_estimators_refuse_what_they_cannot_do(overrides, message):
+    with pytest.raises(ConfigError) as refused:
+        build_config(PPOConfig, MINIMAL[PPOConfig] | overrides, source="run.json")
+    assert message in str(refused.value)
+    fine = MINIMAL[PPOConfig] | {"ppo": {"advantage_estimator": "grpo"}, "rollout": {"samples_per_prompt": 4}}
+    assert build_config(PPOConfig, fine, source="run.json").ppo.advantage_estimator == "grpo"

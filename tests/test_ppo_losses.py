@@ -14,9 +14,12 @@ from engine.ppo.losses import (
     clipped_value_loss,
     dual_clip_policy_loss,
     entropy_from_logits,
+    estimate_advantages,
     gae,
+    grpo_advantages,
     kl_penalty,
     masked_mean,
+    rloo_advantages,
     token_rewards,
     whiten,
 )
@@ -155,3 +158,37 @@ def test_adaptive_kl_controller():
     fixed = FixedKLController(0.05)
     fixed.update(100.0, 1000)
     assert fixed.value == 0.05
+
+
+def test_grpo_standardises_within_each_prompts_group_by_hand():
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0]], dtype=torch.bool)
+    advantages = grpo_advantages(torch.tensor([1.0, 3.0, 2.0, 2.0]), 2, mask)
+    half = 1 / math.sqrt(2)  # (1 - 2) / std([1, 3]) with the unbiased std sqrt(2)
+    expected = torch.tensor([[-half, -half, 0], [half, half, half], [0, 0, 0], [0, 0, 0]])  # an all-equal group: no signal
+    assert torch.allclose(advantages, expected, atol=1e-5)
+
+
+def test_rloo_subtracts_the_mean_of_the_other_samples_by_hand():
+    mask = torch.ones(3, 2, dtype=torch.bool)
+    advantages = rloo_advantages(torch.tensor([1.0, 3.0, 5.0]), 3, mask)
+    assert torch.equal(advantages, torch.tensor([[-3.0, -3.0], [0.0, 0.0], [3.0, 3.0]]))  # 1 - (3+5)/2, 3 - (1+5)/2, 5 - (1+3)/2
+
+
+def test_estimators_from_token_rewards_by_hand():
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    kl = torch.tensor([[0.5, 0.5], [0.0, 1.0]])
+    rewards = token_rewards(torch.tensor([1.0, 4.0]), kl, mask, kl_coef=1.0)  # [[-0.5, 0.5], [0.0, 3.0]]
+    common = dict(values=torch.full((2, 2), 9.0), mask=mask, gamma=1.0, lam=0.95, group_size=2, whiten_advantages=True)
+    # REINFORCE++: return to go [[0, 0.5], [3, 3]], whitened over the batch (mean 1.625, variance 1.921875); the critic's values unused.
+    advantages, returns = estimate_advantages("reinforce_pp", rewards, **common)
+    to_go = torch.tensor([[0.0, 0.5], [3.0, 3.0]])
+    assert torch.equal(returns, to_go)
+    assert torch.allclose(advantages, (to_go - 1.625) / math.sqrt(1.921875), atol=1e-5)
+    # GRPO and RLOO on the sequence totals (score minus KL penalty): 0.0 and 3.0, one group of two.
+    assert torch.allclose(estimate_advantages("grpo", rewards, **common)[0], torch.tensor([[-1.0, -1.0], [1.0, 1.0]]) / math.sqrt(2),
+                          atol=1e-5)
+    assert torch.allclose(estimate_advantages("rloo", rewards, **common)[0], torch.tensor([[-3.0, -3.0], [3.0, 3.0]]))
+    # GAE uses the critic and whitens when asked.
+    gae_adv, gae_ret = estimate_advantages("gae", rewards, **common)
+    assert torch.allclose(gae_ret, gae(rewards, common["values"], mask, 1.0, 0.95)[1])
+    assert abs(gae_adv[mask].mean().item()) < 1e-6

@@ -238,3 +238,22 @@ def test_zero2_with_replicated_frozen_models(tiny_model_dir, rm_run, rm_data, tm
     # The monitor flags the held-out KL of the final evaluation against the same ceiling.
     assert [(e["step"], e["event"]) for e in read_events(tmp_path / "run")] == [(2, "kl_guard"), (2, "monitor/kl_above_ceiling")]
     assert metric_series(tmp_path / "run", "ppo/actor_lr") == {1: 5e-4, 2: 2.5e-4}
+
+
+def test_grpo_trains_without_a_critic(sft_run, rm_run, rm_data, tmp_path):
+    """A critic-free estimator builds, trains and checkpoints no critic, and the held-out reward
+    still rises (RLOO and REINFORCE++ share the path: engine/ppo/losses.estimate_advantages)."""
+    (rm_root, _), (sft_root, _) = rm_run, sft_run
+    config = write_ppo_config(tmp_path / "ppo.json", sft_root / "run" / "model", rm_root / "run" / "model", rm_data, tmp_path / "run",
+                              optim__lr=3e-4, ppo__kl_coef=0.2, ppo__advantage_estimator="grpo", train__iterations=10, train__eval_every=0,
+                              checkpoint__every_steps=5)
+    plan = subprocess.run([sys.executable, str(REPO / "train" / "train_ppo.py"), "--config", str(config), "--dry-run"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert plan.returncode == 0 and "critic       none: ppo.advantage_estimator grpo needs no value model" in plan.stdout
+    launch("train_ppo.py", config)
+    run = tmp_path / "run"
+    held_out = metric_series(run, "eval/reward")
+    assert sorted(held_out) == [0, 10] and held_out[10] > held_out[0] + 0.2, held_out
+    assert sorted(p.name for p in (run / "checkpoints" / "step00000005").iterdir() if p.is_dir()) == ["actor"]
+    metrics = read_records(str(run / "metrics.jsonl"))
+    assert "ppo/pg_loss" in metrics[1] and not any(k.startswith("ppo/vf_") for m in metrics for k in m)

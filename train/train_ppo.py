@@ -3,7 +3,8 @@
     deepspeed --num_gpus N train/train_ppo.py --config ds_configs/demo_ppo.json [--resume | --overwrite] [--dry-run] [--section.key value ...]
 
 Recipe: config -> process group -> prompts -> output-directory checks -> four models as
-DeepSpeed engines in one group (actor and critic trained, reference and reward model frozen)
+DeepSpeed engines in one group (actor and critic trained, reference and reward model frozen; no critic with a critic-free
+``ppo.advantage_estimator``)
 -> sampler (vLLM, built after the engines) -> start or resume the run -> held-out evaluation of
 the start -> loop: generate -> make experience (log-probs, values, scores, KL, GAE) -> PPO epochs
 over mini-batches -> sync the actor into vLLM -> log / evaluate (roll back on a drop) /
@@ -58,7 +59,7 @@ class HybridEngine(NamedTuple):
     """The four models of a PPO run as DeepSpeed engines in one process group."""
 
     actor: Any  # trained
-    critic: Any  # trained
+    critic: Any  # trained; None with a critic-free advantage estimator
     ref: Any  # frozen: the actor's starting weights
     reward_model: Any  # frozen
     keep_alive: Any  # hold while the engines live (engine/runtime/deepspeed_glue.load_partitioned)
@@ -70,13 +71,14 @@ def build_hybrid_engine(cfg: PPOConfig, ds_config: dict) -> HybridEngine:
     actor, keep_alive = load_partitioned(lambda: load_causal_lm(cfg.actor.path, **model_kw), ds_config)
     ref, _ = load_partitioned(lambda: load_causal_lm(cfg.actor.path, **model_kw), ds_config)
     reward_model, _ = load_partitioned(lambda: load_value_model(cfg.reward_model.path, **model_kw), ds_config)
-    if cfg.critic.init_from == "reward_model":
-        critic, _ = load_partitioned(lambda: load_value_model(cfg.reward_model.path, **model_kw), ds_config)
-    else:
-        critic, _ = load_partitioned(lambda: load_value_model(cfg.actor.path, ["value"], **model_kw), ds_config)
+    critic = None
+    if cfg.ppo.advantage_estimator == "gae":
+        critic_from, components = (cfg.reward_model.path, None) if cfg.critic.init_from == "reward_model" else (cfg.actor.path, ["value"])
+        critic, _ = load_partitioned(lambda: load_value_model(critic_from, components, **model_kw), ds_config)
     if cfg.actor.gradient_checkpointing:
         for m in (actor, critic):
-            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if m is not None:
+                m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     iterations = cfg.train.iterations
     steps_per_iteration = cfg.ppo.ppo_epochs * cfg.rollout.prompts_per_iteration * cfg.rollout.samples_per_prompt // cfg.ppo.mini_batch_size
     optim = dict(betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay, lr_scheduler=cfg.optim.lr_scheduler,
@@ -84,7 +86,7 @@ def build_hybrid_engine(cfg: PPOConfig, ds_config: dict) -> HybridEngine:
     frozen_config = inference_ds_config(ds_config)
     return HybridEngine(
         actor=initialize_training_engine(actor, ds_config, lr=cfg.optim.lr, **optim),
-        critic=initialize_training_engine(critic, ds_config, lr=cfg.critic.lr, **optim),
+        critic=initialize_training_engine(critic, ds_config, lr=cfg.critic.lr, **optim) if critic is not None else None,
         ref=frozen_engine(ref, frozen_config),
         reward_model=frozen_engine(reward_model, frozen_config),
         keep_alive=keep_alive,
@@ -184,7 +186,8 @@ def main() -> int:
         every_steps=cfg.checkpoint.every_steps, unit="iteration", identity={
             "actor": cfg.actor.path, "reward_model": cfg.reward_model.path, "prompts": cfg.data.prompts,
             "prompts_per_iteration": cfg.rollout.prompts_per_iteration, "samples_per_prompt": cfg.rollout.samples_per_prompt,
-            "mini_batch_size": cfg.ppo.mini_batch_size, "seed": cfg.train.seed, "world_size": world},
+            "mini_batch_size": cfg.ppo.mini_batch_size, "advantage_estimator": cfg.ppo.advantage_estimator, "seed": cfg.train.seed,
+            "world_size": world},
     )
 
     engines = build_hybrid_engine(cfg, ds_config)
@@ -204,7 +207,7 @@ def main() -> int:
     run.track_rollback(rollback, lr_factor=cfg.guards.rollback_lr_factor)
     run.after_restore(partial(sampler.sync_weights, engines.actor.module))
     run.at_finish(sampler.close)
-    run.start(engines={"actor": engines.actor, "critic": engines.critic}, lr_engine=engines.actor, export_engine=engines.actor,
+    run.start(engines={"actor": engines.actor} | ({"critic": engines.critic} if engines.critic is not None else {}), lr_engine=engines.actor, export_engine=engines.actor,
               config=config_to_dict(cfg), total_steps=iterations, use_tensorboard=cfg.logging.tensorboard,
               use_wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project, progress_bar=cfg.logging.progress_bar, desc="ppo")
     if rank == 0:
@@ -221,7 +224,8 @@ def main() -> int:
     )
     experience_kw = dict(actor=engines.actor, critic=engines.critic, ref=engines.ref, scorer=scorer, value_weights=value_weights,
                          tokenizer=tokenizer, max_tokens=cfg.ppo.max_tokens_per_micro_batch, kl_estimator=cfg.ppo.kl_estimator,
-                         gamma=cfg.ppo.gamma, lam=cfg.ppo.lam, whiten_advantages=cfg.ppo.whiten_advantages)
+                         gamma=cfg.ppo.gamma, lam=cfg.ppo.lam, whiten_advantages=cfg.ppo.whiten_advantages,
+                         advantage_estimator=cfg.ppo.advantage_estimator, group_size=cfg.rollout.samples_per_prompt)
     update_kw = dict(settings=settings, value_weights=value_weights, value_clip=cfg.ppo.value_clip, ppo_epochs=cfg.ppo.ppo_epochs,
                      mini_batch_size=cfg.ppo.mini_batch_size, max_tokens=cfg.ppo.max_tokens_per_micro_batch,
                      pad_id=tokenizer.pad_token_id)

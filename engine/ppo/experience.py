@@ -14,7 +14,7 @@ import torch
 
 from engine.data.batching import plan_micro_batches
 from engine.data.packing import PackedBatch, pack_sequences, packed_forward, target_logprobs, unpack
-from engine.ppo.losses import entropy_from_logits, gae, kl_penalty, masked_mean, token_rewards, whiten
+from engine.ppo.losses import AdvantageEstimator, entropy_from_logits, estimate_advantages, kl_penalty, masked_mean, token_rewards
 from engine.runtime.distributed import agree_max
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ class Experience:
     mask: torch.Tensor  # (B, T) bool
     old_logprobs: torch.Tensor  # (B, T) actor log-probs at sampling time
     ref_logprobs: torch.Tensor  # (B, T)
-    old_values: torch.Tensor  # (B, T) critic values at sampling time
+    old_values: torch.Tensor  # (B, T) critic values at sampling time (zeros without a critic)
     advantages: torch.Tensor  # (B, T)
     returns: torch.Tensor  # (B, T)
     scores: torch.Tensor  # (B,) final sequence score (reward model + rules + penalties)
@@ -148,12 +148,16 @@ def make_experience(
     gamma: float,
     lam: float,
     whiten_advantages: bool,
+    advantage_estimator: AdvantageEstimator = "gae",
+    group_size: int = 1,
 ) -> tuple[Experience, dict[str, float]]:
     """Score and evaluate one rank's samples (``prompt_messages[i]`` is sample i's prompt).
 
     Four forwards in packed micro-batches of at most ``max_tokens``: actor and reference
-    log-probs, critic values, reward-model scores; then the per-token KL to the reference
-    (``kl_coef`` 0: none in the reward), GAE and, optionally, advantages whitened over all ranks.
+    log-probs, critic values (``critic`` None: a critic-free estimator, no forward), reward-model
+    scores; then the per-token KL to the reference (``kl_coef`` 0: none in the reward) and the
+    advantages (:func:`engine.ppo.losses.estimate_advantages`; whitening over all ranks; the
+    samples of a prompt, ``group_size`` of them, are contiguous).
     Returns the experience and this rank's rollout statistics (means over its samples).
     """
     pad = tokenizer.pad_token_id
@@ -163,14 +167,14 @@ def make_experience(
     mask = pad_right([torch.ones(len(s.response_ids), dtype=torch.bool) for s in samples], T)  # (B, T)
     old_logprobs = pad_right(sequence_logprobs(actor, sequences, prompt_lens, max_tokens, pad), T)  # (B, T)
     ref_logprobs = pad_right(sequence_logprobs(ref, sequences, prompt_lens, max_tokens, pad), T)  # (B, T)
-    values = pad_right(sequence_values(critic, sequences, prompt_lens, value_weights, max_tokens, pad), T)  # (B, T)
+    values = (pad_right(sequence_values(critic, sequences, prompt_lens, value_weights, max_tokens, pad), T) if critic is not None
+              else torch.zeros(len(samples), T))  # (B, T)
     texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
     scores, parts = scorer.score(prompt_messages, texts, [s.finished for s in samples])  # (B,)
     kl = kl_penalty(old_logprobs, ref_logprobs, kl_estimator) * mask
     rewards = token_rewards(scores, kl, mask, kl_coef)
-    advantages, returns = gae(rewards, values, mask, gamma, lam)
-    if whiten_advantages:
-        advantages = whiten(advantages, mask, group=torch.distributed.group.WORLD)
+    advantages, returns = estimate_advantages(advantage_estimator, rewards, values, mask, gamma, lam, group_size, whiten_advantages,
+                                              group=torch.distributed.group.WORLD)
     sampler_logprobs = pad_right([torch.tensor(s.logprobs) for s in samples], T)
     exp = Experience(sequences, prompt_lens, mask, old_logprobs, ref_logprobs, values, advantages, returns, scores, kl)
     stats = {

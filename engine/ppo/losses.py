@@ -1,4 +1,5 @@
-"""PPO formulas as pure tensor functions: KL estimators, GAE, whitening, policy and value losses.
+"""PPO formulas as pure tensor functions: KL estimators, advantage estimators (GAE and the
+critic-free GRPO, RLOO, REINFORCE++), whitening, policy and value losses.
 
 Shapes: B sequences, T response tokens (right-padded), ``mask`` (B, T) True where the token
 counts. References beside each formula. No DeepSpeed here; whitening takes an optional
@@ -14,6 +15,9 @@ import torch
 from engine.runtime.distributed import all_reduce
 
 KLEstimator = Literal["k1", "k2", "k3"]
+AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_pp"]
+CRITIC_FREE = ("grpo", "rloo", "reinforce_pp")
+GROUP_ESTIMATORS = ("grpo", "rloo")  # need samples_per_prompt >= 2
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps exp() finite when policies drift apart
 
 
@@ -88,6 +92,60 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, group=None, eps: float = 1e-8) -
     mean = sums[0] / sums[2]
     var = sums[1] / sums[2] - mean**2
     return ((x - mean.to(x.dtype)) * torch.rsqrt(var.to(x.dtype) + eps)) * mask
+
+
+def grpo_advantages(returns: torch.Tensor, group_size: int, mask: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO (Shao et al. 2024, DeepSeekMath sec. 4.1.2, outcome supervision): each sequence's
+    return standardised within the ``group_size`` samples of its prompt,
+    A_i = (R_i - mean_group R) / (std_group R + eps), at every token of the sequence.
+
+    ``returns`` (B,) with each prompt's samples contiguous (B = prompts x group_size)."""
+    grouped = returns.view(-1, group_size)  # (G, k)
+    advantages = (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + eps)  # unbiased std
+    return advantages.reshape(-1, 1) * mask  # (B, T)
+
+
+def rloo_advantages(returns: torch.Tensor, group_size: int, mask: torch.Tensor) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024, eq. 4): each sequence's return minus the mean return of the
+    other k - 1 samples of its prompt, A_i = R_i - sum_{j != i} R_j / (k - 1), at every token."""
+    grouped = returns.view(-1, group_size)  # (G, k)
+    others = (grouped.sum(1, keepdim=True) - grouped) / (group_size - 1)
+    return (grouped - others).reshape(-1, 1) * mask  # (B, T)
+
+
+def estimate_advantages(
+    estimator: AdvantageEstimator,
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    group_size: int,
+    whiten_advantages: bool,
+    group=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns), both (B, T), from token ``rewards`` (score on the last token, KL
+    penalty on every token):
+
+    * ``gae``: :func:`gae` on the critic's ``values``, optionally whitened over the batch (``group``);
+    * ``reinforce_pp`` (REINFORCE++, Hu 2025): the discounted return to go (GAE with V = 0 and
+      lambda = 1), whitened over the whole batch: a global baseline, no critic;
+    * ``grpo`` / ``rloo``: the sequence's total reward against its prompt's group (the functions above).
+
+    ``returns`` are the critic's targets with ``gae``; for the others, the return to go (logged only).
+    """
+    if estimator == "gae":
+        advantages, returns = gae(rewards, values, mask, gamma, lam)
+        return (whiten(advantages, mask, group) if whiten_advantages else advantages), returns
+    to_go, _ = gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)  # (B, T) sum_{t' >= t} gamma^(t' - t) r_t'
+    if estimator == "reinforce_pp":
+        return whiten(to_go, mask, group), to_go
+    total = (rewards * mask).sum(1)  # (B,) the sequence's reward: score minus its KL penalty
+    if estimator == "grpo":
+        return grpo_advantages(total, group_size, mask), to_go
+    if estimator == "rloo":
+        return rloo_advantages(total, group_size, mask), to_go
+    raise ValueError(f"unknown advantage estimator {estimator!r}")
 
 
 class PolicyLoss(NamedTuple):

@@ -144,10 +144,13 @@ def update_on_rollout(
 ) -> dict[str, float]:
     """``ppo_epochs`` passes over this rank's rollout in shuffled mini-batches of
     ``mini_batch_size`` sequences over all ranks (the same shuffle for a given ``seed``): a critic
-    step, then an actor step unless ``train_actor`` is false (critic warm-up).
+    step (none when ``critic`` is None: a critic-free estimator), then an actor step unless
+    ``train_actor`` is false (critic warm-up).
     ``after_step(engine, name)`` runs after each optimizer step (the non-finite guard). Returns
     each statistic's mean over the mini-batches."""
-    actor.train(), critic.train()
+    for engine in (actor, critic):
+        if engine is not None:
+            engine.train()
     local_mb = mini_batch_size // torch.distributed.get_world_size()
     generator = torch.Generator().manual_seed(seed)
     stats: dict[str, list[float]] = {}
@@ -155,8 +158,10 @@ def update_on_rollout(
         perm = torch.randperm(len(exp.sequences), generator=generator).tolist()
         for k in range(0, len(perm), local_mb):
             mb = exp.select(perm[k : k + local_mb])
-            step_stats = critic_step(critic, mb, value_weights, value_clip, max_tokens, pad_id)
-            after_step(critic, "critic")
+            step_stats = {}
+            if critic is not None:
+                step_stats = critic_step(critic, mb, value_weights, value_clip, max_tokens, pad_id)
+                after_step(critic, "critic")
             if train_actor:
                 step_stats |= actor_step(actor, mb, settings, max_tokens, pad_id, poison)
                 after_step(actor, "actor")

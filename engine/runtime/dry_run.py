@@ -135,13 +135,12 @@ def ppo_plan(cfg, prompts: list, eval_prompts: list, tokenizer, ds_config: dict[
           f"{cfg.ppo.ppo_epochs * per_iteration // cfg.ppo.mini_batch_size} optimizer steps per iteration per trained model")
     components = None if cfg.critic.init_from == "reward_model" else ["value"]
     critic_path = cfg.reward_model.path if cfg.critic.init_from == "reward_model" else cfg.actor.path
+    critic = [("critic", critic_path, True, components, True)] if cfg.ppo.advantage_estimator == "gae" else []
     print("models:")
-    print_models([
-        ("actor", cfg.actor.path, False, None, True),
-        ("critic", critic_path, True, components, True),
-        ("reference", cfg.actor.path, False, None, False),
-        ("reward model", cfg.reward_model.path, True, None, False),
-    ], ds_config, world, cfg.actor)
+    print_models([("actor", cfg.actor.path, False, None, True), *critic, ("reference", cfg.actor.path, False, None, False),
+                  ("reward model", cfg.reward_model.path, True, None, False)], ds_config, world, cfg.actor)
+    if not critic:
+        print(f"  critic       none: ppo.advantage_estimator {cfg.ppo.advantage_estimator} needs no value model")
     if r.sampler == "vllm":
         print(f"  vLLM sampler: full actor weights per rank + {r.vllm_kv_cache_mb} MiB KV cache")
     return 0
