@@ -30,7 +30,17 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from data_prep.preferences import PreferencePair, parse_preference_row
 from data_prep.sources import DataError
-from data_prep.splits import MESSAGES, Tally, format_report, percentiles, read_rows, split_by_prompt, write_atomically
+from data_prep.splits import (
+    MESSAGES,
+    Tally,
+    add_input_arguments,
+    format_report,
+    parse_input_arguments,
+    percentiles,
+    read_rows,
+    split_by_prompt,
+    write_atomically,
+)
 from engine.data.chat import tokenize_pairs
 
 PAIR_SCHEMA = pa.schema(
@@ -139,20 +149,10 @@ def length_percentiles(rows: list[Row]) -> dict[str, dict[str, int]]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--input", action="append", required=True, help="file (.jsonl/.jsonl.gz/.json/.parquet) or datasets name/path; repeatable")
-    parser.add_argument("--split", default="train", help="split to read from a datasets name/path")
-    parser.add_argument("--tokenizer", required=True, help="tokenizer (model dir) whose chat template renders the rows")
-    parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--validation-fraction", type=float, default=0.05,
-                        help="fraction of pairs held out, split by prompt (1: all of them, a validation-only file)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the train/validation split")
+    add_input_arguments(parser, "pairs")
     parser.add_argument("--max-prompt-length", type=int, default=512, help="drop pairs whose prompt has more tokens")
     parser.add_argument("--max-length", type=int, default=1024, help="drop pairs whose prompt + longer response has more tokens")
-    parser.add_argument("--skip-invalid", action="store_true", help="skip malformed rows (counted by reason) instead of failing")
-    args = parser.parse_args(argv)
-    if not 0.0 <= args.validation_fraction <= 1.0:
-        parser.error(f"--validation-fraction must be in [0, 1], got {args.validation_fraction}")
-    return args
+    return parse_input_arguments(parser, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -28,7 +28,17 @@ from transformers import AutoTokenizer
 
 from data_prep.conversations import parse_conversation_row
 from data_prep.sources import DataError
-from data_prep.splits import MESSAGES, Tally, format_report, percentiles, read_rows, split_by_prompt, write_atomically
+from data_prep.splits import (
+    MESSAGES,
+    Tally,
+    add_input_arguments,
+    format_report,
+    parse_input_arguments,
+    percentiles,
+    read_rows,
+    split_by_prompt,
+    write_atomically,
+)
 from engine.data.conversations import tokenize_conversations
 
 SFT_SCHEMA = pa.schema([("source", pa.string()), ("messages", MESSAGES), ("num_tokens", pa.int32()), ("trained_tokens", pa.int32())])
@@ -36,19 +46,9 @@ SFT_SCHEMA = pa.schema([("source", pa.string()), ("messages", MESSAGES), ("num_t
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--input", action="append", required=True, help="file (.jsonl/.jsonl.gz/.json/.parquet) or datasets name/path; repeatable")
-    parser.add_argument("--split", default="train", help="split to read from a datasets name/path")
-    parser.add_argument("--tokenizer", required=True, help="tokenizer (model dir) whose chat template renders the conversations")
-    parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--validation-fraction", type=float, default=0.05,
-                        help="fraction of conversations held out, split by prompt (1: all of them, a validation-only file)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the train/validation split")
+    add_input_arguments(parser, "conversations")
     parser.add_argument("--max-length", type=int, default=1024, help="drop conversations with more tokens")
-    parser.add_argument("--skip-invalid", action="store_true", help="skip malformed rows (counted by reason) instead of failing")
-    args = parser.parse_args(argv)
-    if not 0.0 <= args.validation_fraction <= 1.0:
-        parser.error(f"--validation-fraction must be in [0, 1], got {args.validation_fraction}")
-    return args
+    return parse_input_arguments(parser, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

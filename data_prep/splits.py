@@ -3,6 +3,7 @@ parquet writes and the end-of-run table."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from collections import Counter
@@ -99,3 +100,22 @@ def format_report(tally: Tally, n_train: int, n_validation: int, lengths: dict[s
     for name, s in lengths.items():
         lines.append(f"  {name:<27}{s['p50']:>8}{s['p90']:>8}{s['p99']:>8}{s['max']:>8}")
     return "\n".join(lines)
+
+
+def add_input_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """The arguments every prepare_* script takes: inputs, tokenizer, output, split and row handling."""
+    parser.add_argument("--input", action="append", required=True, help="file (.jsonl/.jsonl.gz/.json/.parquet) or datasets name/path; repeatable")
+    parser.add_argument("--split", default="train", help="split to read from a datasets name/path")
+    parser.add_argument("--tokenizer", required=True, help=f"tokenizer (model dir) whose chat template renders the {what}")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--validation-fraction", type=float, default=0.05,
+                        help=f"fraction of {what} held out, split by prompt (1: all of them, a validation-only file)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the train/validation split")
+    parser.add_argument("--skip-invalid", action="store_true", help="skip malformed rows (counted by reason) instead of failing")
+
+
+def parse_input_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    args = parser.parse_args(argv)
+    if not 0.0 <= args.validation_fraction <= 1.0:
+        parser.error(f"--validation-fraction must be in [0, 1], got {args.validation_fraction}")
+    return args

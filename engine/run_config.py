@@ -106,13 +106,19 @@ class RMSection:
 
 
 @dataclass
-class RMTrainSection:
-    epochs: int = option(1, "passes over the train pairs", ge=1)
+class EpochsSection:
+    """The schedule of a pass over a fixed data set (SFT, RM); subclasses add the step size."""
+
+    epochs: int = option(1, "passes over the train data", ge=1)
     max_steps: int = option(0, "stop after this many optimizer steps (0: run all epochs)", ge=0)
-    pairs_per_step: int = option(32, "pairs per optimizer step, over all ranks", ge=1)
     max_tokens_per_micro_batch: int = option(2048, "token budget of one packed forward on one rank", ge=2)
     eval_every_steps: int = option(0, "evaluate every N steps (0: only at the end)", ge=0)
-    seed: int = option(0, "seed of data order and initialisation", ge=0, le=MAX_SEED)
+    seed: int = option(0, "seed of the data order (and of a new head's initialisation)", ge=0, le=MAX_SEED)
+
+
+@dataclass
+class RMTrainSection(EpochsSection):
+    pairs_per_step: int = option(32, "pairs per optimizer step, over all ranks", ge=1)
 
 
 @dataclass
@@ -140,13 +146,8 @@ class SFTDataSection:
 
 
 @dataclass
-class SFTTrainSection:
-    epochs: int = option(1, "passes over the train conversations", ge=1)
-    max_steps: int = option(0, "stop after this many optimizer steps (0: run all epochs)", ge=0)
+class SFTTrainSection(EpochsSection):
     conversations_per_step: int = option(32, "conversations per optimizer step, over all ranks", ge=1)
-    max_tokens_per_micro_batch: int = option(4096, "token budget of one packed forward on one rank", ge=2)
-    eval_every_steps: int = option(0, "evaluate every N steps (0: only at the end)", ge=0)
-    seed: int = option(0, "seed of the data order", ge=0, le=MAX_SEED)
 
 
 @dataclass
