@@ -59,9 +59,9 @@ def test_learns_on_the_synthetic_task_with_bounded_kl(ppo_run):
     coef = metric_series(root / "run", "ppo/kl_coef")
     assert coef[ITERATIONS] > 2 * coef[1]  # the adaptive controller raised the coefficient to hold the KL
     win = metric_series(root / "run", "eval/win_rate")  # against the reference's responses, under the RM
-    assert abs(win[0] - 0.5) < 0.2, win  # the policy is the reference: a coin flip
+    assert abs(win[0] - 0.5) < 0.2, win  # the policy is the reference: a coin flip (21 prompts: +-0.11)
     later = [win[i] for i in range(EVERY, ITERATIONS + 1, EVERY)]
-    assert win[ITERATIONS] > 0.65 and sum(later) / len(later) > win[0] + 0.15, win  # 21 prompts: each is ~0.05
+    assert win[ITERATIONS] > 0.65 and sum(later) / len(later) > 0.6, win  # above the coin flip at every later evaluation, on average
     assert metric_series(root / "run", "eval/kl")[0] == 0.0
 
 
