@@ -45,7 +45,7 @@ from engine.runtime.deepspeed_glue import (
     save_hf_model,
     training_ds_config,
 )
-from engine.runtime.distributed import mean_over_ranks
+from engine.runtime.distributed import accelerator_memory_metrics, mean_over_ranks
 from engine.runtime.dry_run import ppo_plan
 from engine.runtime.faults import eval_reward_offset, nan_loss_at
 from engine.runtime.guards import KLGuard, NonFiniteGuard, RollbackGuard
@@ -160,7 +160,7 @@ def ppo_iteration(cfg: PPOConfig, iteration: int, prompts: list, sampler, sampli
     return {f"ppo/{k}": v for k, v in (rollout_stats | train_stats).items()} | {
         "timing/generate_s": t1 - t0, "timing/make_experience_s": t2 - t1, "timing/train_s": t3 - t2, "timing/sync_s": t4 - t3,
         "timing/iteration_s": t4 - t0, "timing/generated_tokens_per_s": global_token_count(exp.mask) / (t1 - t0),
-    }
+    } | accelerator_memory_metrics()
 
 
 def main() -> int:

@@ -28,6 +28,7 @@ from engine.rm.losses import pair_losses
 from engine.rm.reward_model import PairStats, evaluate_pairs, score_pairs
 from engine.run_config import RewardModelConfig
 from engine.runtime.deepspeed_glue import describe_engine, initialize_training_engine, load_partitioned, save_hf_model, training_ds_config
+from engine.runtime.distributed import accelerator_memory_metrics
 from engine.runtime.dry_run import rm_plan
 from engine.runtime.faults import nan_loss_at
 from engine.runtime.guards import NonFiniteGuard
@@ -157,7 +158,7 @@ def main() -> int:
                 "timing/step_s": seconds,
                 "timing/tokens_per_s": sum(e.num_tokens for e in batch) / seconds,
                 "guard/nonfinite_skipped": nonfinite.skipped,
-            }
+            } | accelerator_memory_metrics()
             if cfg.train.eval_every_steps and run.step % cfg.train.eval_every_steps == 0 and run.step < total_steps:
                 engine.eval()
                 metrics |= {f"eval/{k}": v for k, v in evaluate().items()}

@@ -26,6 +26,7 @@ from engine.data.conversations import Conversation, conversations_that_fit, load
 from engine.data.errors import DataFileError
 from engine.run_config import SFTConfig
 from engine.runtime.deepspeed_glue import describe_engine, initialize_training_engine, load_partitioned, save_hf_model, training_ds_config
+from engine.runtime.distributed import accelerator_memory_metrics
 from engine.runtime.dry_run import sft_plan
 from engine.runtime.faults import nan_loss_at
 from engine.runtime.guards import NonFiniteGuard
@@ -107,7 +108,7 @@ def main() -> int:
                 "timing/step_s": seconds,
                 "timing/tokens_per_s": step_metrics["tokens"] / seconds,
                 "guard/nonfinite_skipped": nonfinite.skipped,
-            }
+            } | accelerator_memory_metrics()
             if validation and cfg.train.eval_every_steps and run.step % cfg.train.eval_every_steps == 0 and run.step < total_steps:
                 engine.eval()
                 metrics |= {f"eval/{k}": v for k, v in evaluate().items()}

@@ -78,3 +78,12 @@ def shutdown_distributed() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+
+
+def accelerator_memory_metrics() -> dict[str, float]:
+    """This rank's peak accelerator memory so far (GiB): allocated by tensors and reserved by
+    the caching allocator. Empty on a CPU."""
+    if not torch.cuda.is_available():
+        return {}
+    return {"memory/peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "memory/peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}

@@ -5,7 +5,11 @@
 #    gradients reach the GPU weights, NCCL reduces CPU tensors, HF generate on cuda, RNG state.
 # 2. train_rm.py (bf16, ZeRO-3) and train_ppo.py (bf16, ZeRO-3, HF sampler) under the deepspeed
 #    launcher, then a PPO resume from the iteration-3 checkpoint compared with the straight run.
-# Logs and metrics land in $OUT (6 files), which the device tool brings back. Every step runs even
+# 3. Figures: torch's varlen attention against our packed path (tests/gpu/varlen_attention.py) and
+#    where a training step's time goes for a ~104M-parameter random Llama (tests/gpu/step_costs.py).
+#    The PPO metrics carry peak GPU memory and the bf16 sampler/trainer log-prob gap.
+# `bash tests/gpu/check.sh figures` runs step 3 alone.
+# Logs and metrics land in $OUT (8 files), which the device tool brings back. Every step runs even
 # after a failure (one device run should say as much as it can); the exit status is 1 when a
 # device check failed or the resumed run's values differ from the straight run's.
 set -euo pipefail
@@ -19,6 +23,7 @@ python3 -m data_prep.synthetic_task --out $w/pairs.jsonl --num-pairs 2000 --seed
 python3 -m data_prep.make_tiny_model --text $w/pairs.jsonl --out $w/tiny --seed 0
 python3 -m data_prep.prepare_preferences --input $w/pairs.jsonl --tokenizer $w/tiny --out $w/data --seed 0
 status=0
+if [ "${1:-all}" != figures ]; then
 python3 tests/gpu/device_checks.py $w/tiny 2>&1 | tee $out/device_checks.log || { echo "device checks: FAILURES (above)"; status=1; }
 
 common=(--deepspeed zero3.json --logging.wandb false --logging.tensorboard false --logging.progress_bar false)
@@ -32,7 +37,7 @@ ppo=(train/train_ppo.py --config ds_configs/demo_ppo.json --actor.path $w/tiny -
 cp -r $w/ppo $w/ppo_resumed  # holds checkpoints/step00000003; the resume rewinds the logs to it
 "${launcher[@]}" "${ppo[@]}" --logging.output_dir $w/ppo_resumed --resume 2>&1 | tee $out/ppo_resumed.log | tail -5
 cp $w/rm/metrics.jsonl $out/rm_metrics.jsonl; cp $w/ppo/metrics.jsonl $out/ppo_metrics.jsonl
-python3 - $w/ppo/metrics.jsonl $w/ppo_resumed/metrics.jsonl <<'PY' || status=1
+python3 - $w/ppo/metrics.jsonl $w/ppo_resumed/metrics.jsonl <<'PY' 2>&1 | tee $out/resume.log || status=1
 import json, sys
 straight, resumed = ({r["step"]: r for r in map(json.loads, open(p)) if "ppo/score" in r} for p in sys.argv[1:])
 keys = ("ppo/score", "ppo/kl", "ppo/pg_loss", "ppo/vf_loss")
@@ -43,4 +48,11 @@ for s, a in straight.items():
 print("resume: exact" if not differ and sorted(resumed) == sorted(straight) else f"resume: DIFFERS at iterations {differ}")
 sys.exit(1 if differ or sorted(resumed) != sorted(straight) else 0)
 PY
+fi
+
+# 3. Figures (everything in figures.log).
+python3 tests/gpu/varlen_attention.py > $w/varlen.log 2>&1 || status=1
+python3 -m data_prep.make_tiny_model --text $w/pairs.jsonl --out $w/llama110m --seed 0 \
+    --hidden-size 768 --num-layers 12 --num-heads 12 --num-kv-heads 4 --intermediate-size 3072 > /dev/null
+{ cat $w/varlen.log; python3 tests/gpu/step_costs.py $w/llama110m; } 2>&1 | tee $out/figures.log || status=1
 exit $status
