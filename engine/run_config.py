@@ -204,8 +204,13 @@ class RolloutSection:
         gt=0, lt=1,
     )
     vllm_sleep: bool = option(True, "GPU: vLLM sleeps (weights to CPU, KV cache freed) from each rollout until the next sync")
+    tensor_parallel_size: int = option(
+        1, "ranks that share one vLLM engine, each holding a shard (groups of consecutive ranks; must divide the world size)", ge=1
+    )
 
     def __post_init__(self):
+        if self.tensor_parallel_size > 1 and self.sampler != "vllm":
+            raise ConfigError(f"'tensor_parallel_size' {self.tensor_parallel_size} needs sampler vllm (HF generate runs on the actor engine)")
         if self.sampler == "vllm" and self.max_new_tokens >= self.vllm_max_model_len:
             raise ConfigError(f"'max_new_tokens' ({self.max_new_tokens}) must be below vllm_max_model_len ({self.vllm_max_model_len}), "
                               "which also holds the prompt")
@@ -296,6 +301,8 @@ class PPOConfig:
             raise ConfigError(f"critic.warmup_iterations needs a critic, and ppo.advantage_estimator {estimator} has none: set it to 0")
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rollout = self.rollout.prompts_per_iteration * self.rollout.samples_per_prompt
+        if world % self.rollout.tensor_parallel_size:
+            raise ConfigError(f"rollout.tensor_parallel_size ({self.rollout.tensor_parallel_size}) must divide the {world} ranks")
         if self.rollout.prompts_per_iteration % world:
             raise ConfigError(f"rollout.prompts_per_iteration ({self.rollout.prompts_per_iteration}) must divide over {world} ranks")
         if rollout % self.ppo.mini_batch_size or self.ppo.mini_batch_size % world:

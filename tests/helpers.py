@@ -24,13 +24,40 @@ RM_STEPS, RM_EVERY = 60, 20  # two epochs of 1,900 pairs; a checkpoint every 20 
 PPO_ITERATIONS, PPO_EVERY = 30, 10  # evaluation and checkpoint every 10 iterations
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def launcher_cmd(ranks: int) -> list[str]:
     """The deepspeed launcher on a free rendezvous port (its default 29500 collides with any
     other launch running on the machine at the same time)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return [LAUNCHER, "--num_gpus", str(ranks), "--master_port", str(port)]
+    return [LAUNCHER, "--num_gpus", str(ranks), "--master_port", str(free_port())]
+
+
+def launch_two_nodes(script: str, config: Path, hostfile_dir: Path, *extra: str, node_extra: tuple[list[str], list[str]] = ([], []),
+                     check: bool = True) -> list[subprocess.CompletedProcess]:
+    """train/<script> on two "nodes" of one rank each, as on a cluster without ssh: one launcher
+    per node (``--hostfile H --no_ssh --node_rank k``), the master on 127.0.0.1. ``node_extra``:
+    arguments for one node only."""
+    hostfile = hostfile_dir / "hostfile"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")  # host names are labels with --no_ssh
+    port = free_port()
+    procs = [
+        subprocess.Popen([LAUNCHER, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(k), "--master_addr", "127.0.0.1",
+                          "--master_port", str(port), str(REPO / "train" / script), "--config", str(config), *extra, *node_extra[k]],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        for k in range(2)
+    ]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=900)
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    if check:
+        for r in results:
+            assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    return results
 
 
 def run_launched(cmd: list[str], ranks: int, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:

@@ -144,3 +144,14 @@ def test_critic_free_estimators_refuse_what_they_cannot_do(overrides, message):
     assert message in str(refused.value)
     fine = MINIMAL[PPOConfig] | {"ppo": {"advantage_estimator": "grpo"}, "rollout": {"samples_per_prompt": 4}}
     assert build_config(PPOConfig, fine, source="run.json").ppo.advantage_estimator == "grpo"
+
+
+def test_tensor_parallel_rollout_refuses_what_it_cannot_do(monkeypatch):
+    tp = lambda n, **rollout: MINIMAL[PPOConfig] | {"rollout": {"tensor_parallel_size": n, **rollout}}  # noqa: E731
+    with pytest.raises(ConfigError, match="'tensor_parallel_size' 2 needs sampler vllm"):
+        build_config(PPOConfig, tp(2, sampler="hf"), source="run.json")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size \(4\) must divide the 2 ranks"):
+        build_config(PPOConfig, tp(4), source="run.json")
+    assert build_config(PPOConfig, tp(2), source="run.json").rollout.tensor_parallel_size == 2
+

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
+import pytest
 from helpers import REPO, launch, write_ppo_config, write_rm_config
 
 
@@ -32,4 +34,20 @@ def test_ppo_dry_run_counts_four_models_and_writes_nothing(tiny_model_dir, rm_ru
         line = next(line for line in out.splitlines() if line.strip().startswith(name))
         assert kind in line, line
     assert "vLLM sampler" in out
+    assert not (tmp_path / "run").exists()
+
+
+def test_ppo_dry_run_shows_the_tensor_parallel_layout(tiny_model_dir, rm_run, rm_data, tmp_path):
+    rm_root, _ = rm_run
+    config = write_ppo_config(tmp_path / "ppo.json", tiny_model_dir, rm_root / "run" / "model", rm_data, tmp_path / "run")
+    lines = {}
+    for tp in (1, 2):
+        result = subprocess.run([sys.executable, str(REPO / "train" / "train_ppo.py"), "--config", str(config), "--dry-run",
+                                 "--rollout.tensor_parallel_size", str(tp)], capture_output=True, text=True, timeout=300, cwd=REPO,
+                                env={**os.environ, "WORLD_SIZE": "2"})
+        assert result.returncode == 0, result.stderr[-3000:]
+        lines[tp] = next(line for line in result.stdout.splitlines() if "vLLM sampler" in line)
+    assert "2 engine(s), one per rank: " in lines[1] and "1 engine(s) of tensor parallel size 2: " in lines[2]
+    weights = {tp: float(line.split(": ")[-1].split(" MiB weights per rank")[0]) for tp, line in lines.items()}
+    assert weights[2] == pytest.approx(weights[1] / 2, abs=0.1)
     assert not (tmp_path / "run").exists()

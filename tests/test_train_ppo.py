@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from helpers import (
     TASK_WORDS,
     faults,
     launch,
+    launch_two_nodes,
     metric_series,
     read_events,
     start_launched,
@@ -191,14 +193,49 @@ def test_nan_steps_are_skipped_and_a_reward_drop_rolls_back_once(tiny_model_dir,
     assert (run / "actor" / "model.safetensors").exists()
 
 
-def test_two_ranks_vllm_with_a_checkpoint_each_iteration(tiny_model_dir, rm_run, rm_data, tmp_path):
-    rm_root, _ = rm_run
-    config = write_ppo_config(tmp_path / "ppo.json", tiny_model_dir, rm_root / "run" / "model", rm_data, tmp_path / "run",
+TWO_RANK_ARGS = ("--ppo.clip_ratio_c", "3.0", "--ppo.kl_estimator", "k3")
+
+
+@pytest.fixture(scope="module")
+def two_ranks_vllm(tiny_model_dir, rm_run, rm_data, tmp_path_factory):
+    """Two ranks on one node, one vLLM engine each, a checkpoint every iteration; config ``ppo.json`` beside the run."""
+    root, (rm_root, _) = tmp_path_factory.mktemp("ppo_two_ranks"), rm_run
+    config = write_ppo_config(root / "ppo.json", tiny_model_dir, rm_root / "run" / "model", rm_data, root / "run",
                               train__iterations=2, train__eval_every=0, checkpoint__every_steps=1)
-    launch("train_ppo.py", config, "--ppo.clip_ratio_c", "3.0", "--ppo.kl_estimator", "k3", ranks=2)
-    assert len(metric_series(tmp_path / "run", "ppo/score")) == 2
-    assert (tmp_path / "run" / "checkpoints" / "step00000001" / "MANIFEST.json").exists()
-    assert (tmp_path / "run" / "checkpoints" / "step00000001" / "trainer_state_rank1.pt").exists()
+    launch("train_ppo.py", config, *TWO_RANK_ARGS, ranks=2)
+    return root
+
+
+def test_two_ranks_vllm_with_a_checkpoint_each_iteration(two_ranks_vllm):
+    run = two_ranks_vllm / "run"
+    assert len(metric_series(run, "ppo/score")) == 2
+    assert (run / "checkpoints" / "step00000001" / "MANIFEST.json").exists()
+    assert (run / "checkpoints" / "step00000001" / "trainer_state_rank1.pt").exists()
+
+
+def test_two_nodes_with_tensor_parallel_rollout_match_two_ranks_and_resume_exactly(two_ranks_vllm, tmp_path):
+    """One rank on each of two "nodes", both ranks sharing one vLLM engine (tensor parallel 2),
+    give the rollouts and updates of two ranks with an engine each. A resume of the two-node
+    run from its iteration-1 checkpoint repeats iteration 2 exactly."""
+    config = json.loads((two_ranks_vllm / "ppo.json").read_text())
+    config["logging"]["output_dir"] = str(tmp_path / "run")
+    config["rollout"]["tensor_parallel_size"] = 2
+    (tmp_path / "ppo.json").write_text(json.dumps(config))
+    launch_two_nodes("train_ppo.py", tmp_path / "ppo.json", tmp_path, *TWO_RANK_ARGS)
+    one_node, two_nodes = {k: metric_series(two_ranks_vllm / "run", k) for k in DETERMINISTIC}, {}
+    for key in DETERMINISTIC:
+        two_nodes[key] = metric_series(tmp_path / "run", key)
+        assert two_nodes[key] == pytest.approx(one_node[key], rel=1e-5, abs=1e-6), key
+    assert max(metric_series(tmp_path / "run", "ppo/sampler_logprob_gap").values()) < 1e-4  # each TP shard synced
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "run", resumed)
+    assert sorted(p.name for p in (resumed / "checkpoints").glob("step*")) == ["step00000001"]  # the last iteration exports instead
+    config["logging"]["output_dir"] = str(resumed)
+    (tmp_path / "ppo.json").write_text(json.dumps(config))
+    results = launch_two_nodes("train_ppo.py", tmp_path / "ppo.json", tmp_path, *TWO_RANK_ARGS, "--resume")
+    assert "resumed at iteration 1" in results[0].stdout
+    for key in DETERMINISTIC:
+        assert metric_series(resumed, key) == two_nodes[key], key
 
 
 def test_actor_loss_settings_change_the_actor_update_only(tiny_model_dir, rm_run, rm_data, tmp_path):

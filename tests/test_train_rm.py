@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, RM_COMPONENTS, RM_STEPS, launch, metric_series, write_rm_config
+from helpers import REPO, RM_COMPONENTS, RM_STEPS, launch, launch_two_nodes, metric_series, write_rm_config
 from transformers import AutoTokenizer
 
 from engine.data.preferences import load_preferences
@@ -108,14 +108,52 @@ def test_resume_continues_with_identical_losses(one_rank, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_two_ranks_zero3_follow_the_one_rank_curve(one_rank, tiny_model_dir, rm_data, tmp_path):
-    root, _ = one_rank
-    config = write_rm_config(tmp_path / "rm.json", tiny_model_dir, rm_data, tmp_path / "run")
+@pytest.fixture(scope="module")
+def two_ranks(tiny_model_dir, rm_data, tmp_path_factory) -> Path:
+    """The RM run on one node with two ranks; its config is ``rm.json`` beside the run."""
+    root = tmp_path_factory.mktemp("rm_two_ranks")
+    config = write_rm_config(root / "rm.json", tiny_model_dir, rm_data, root / "run")
     launch("train_rm.py", config, "--checkpoint.every_steps", "0", ranks=2)
-    one, two = losses(root / "run"), losses(tmp_path / "run")
+    return root
+
+
+def test_two_ranks_zero3_follow_the_one_rank_curve(one_rank, two_ranks):
+    root, _ = one_rank
+    one, two = losses(root / "run"), losses(two_ranks / "run")
     assert sorted(two) == sorted(one)
     for step in one:
         assert two[step] == pytest.approx(one[step], rel=1e-3, abs=1e-4), step
+
+
+def test_two_nodes_train_exactly_as_two_ranks_on_one_node(two_ranks, tmp_path):
+    """One rank on each of two "nodes" (one launcher per node, --no_ssh, as on a cluster):
+    the same losses and accuracy, bit for bit, and the same exported model."""
+    config = json.loads((two_ranks / "rm.json").read_text())
+    config["logging"]["output_dir"] = str(tmp_path / "run")
+    (tmp_path / "rm.json").write_text(json.dumps(config))
+    results = launch_two_nodes("train_rm.py", tmp_path / "rm.json", tmp_path, "--checkpoint.every_steps", "0")
+    assert "train_rm:" in results[0].stdout and "2 rank(s)" in results[0].stdout
+    for key in ("rm/loss", "rm/acc", "eval/acc"):
+        assert metric_series(tmp_path / "run", key) == metric_series(two_ranks / "run", key), key
+    a = load_value_model(str(two_ranks / "run" / "model"), list(COMPONENTS)).state_dict()
+    b = load_value_model(str(tmp_path / "run" / "model"), list(COMPONENTS)).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_an_output_dir_the_nodes_do_not_share_is_refused(two_ranks, tmp_path):
+    """Each node writing to a directory of its own (no shared filesystem) is refused before any
+    model loads: checkpoints are written by every rank and read by every rank on resume."""
+    config = json.loads((two_ranks / "rm.json").read_text())
+    config["logging"]["output_dir"] = str(tmp_path / "node0")
+    (tmp_path / "rm.json").write_text(json.dumps(config))
+    results = launch_two_nodes("train_rm.py", tmp_path / "rm.json", tmp_path,
+                               node_extra=([], ["--logging.output_dir", str(tmp_path / "node1")]), check=False)
+    for r in results:
+        assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    err = results[0].stderr + results[1].stderr
+    assert "output error: logging.output_dir" in err and "rank 1 (" in err and "filesystem every node mounts" in err
+    assert "Traceback" not in err and "Loading weights" not in err
+    assert not (tmp_path / "node0").exists() and not (tmp_path / "node1").exists()
 
 
 @pytest.mark.parametrize(

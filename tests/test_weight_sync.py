@@ -11,11 +11,23 @@ from helpers import launcher_cmd, run_launched
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_vllm_greedy_follows_the_actor_after_each_sync(tiny_model_dir, ranks):
-    cmd = [*launcher_cmd(ranks), str(REPO / "tests" / "scripts" / "weight_sync_check.py"), str(tiny_model_dir)]
+def rank_reports(stdout: str) -> list[dict]:
+    """The ranks' JSON lines, which the launcher may run together on one line."""
+    decoder, reports, at = json.JSONDecoder(), [], stdout.find('{"rank"')
+    while at >= 0:
+        report, end = decoder.raw_decode(stdout, at)
+        reports.append(report)
+        at = stdout.find('{"rank"', end)
+    return reports
+
+
+@pytest.mark.parametrize("ranks, tensor_parallel", [(1, 1), (2, 1), (2, 2)])
+def test_vllm_greedy_follows_the_actor_after_each_sync(tiny_model_dir, ranks, tensor_parallel):
+    """(2, 2): both ranks share one tensor-parallel engine, each holding half of every layer."""
+    cmd = [*launcher_cmd(ranks), str(REPO / "tests" / "scripts" / "weight_sync_check.py"), str(tiny_model_dir),
+           "--tensor-parallel", str(tensor_parallel)]
     result = run_launched(cmd, ranks)
-    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"rank"')]
+    reports = rank_reports(result.stdout)
     assert sorted(r["rank"] for r in reports) == list(range(ranks))
     for r in reports:
         assert r["before_equal"], "fp32 vLLM greedy must equal the HF actor's greedy before training"
@@ -23,3 +35,9 @@ def test_vllm_greedy_follows_the_actor_after_each_sync(tiny_model_dir, ranks):
         assert not r["stale_equal"], "without a sync vLLM still answers with the old weights"
         assert r["after_equal"], "after the bucketed sync vLLM greedy equals the actor's"
         assert r["rng_preserved"], "starting vLLM must not touch the trainer's RNG stream"
+    rows = {r["shard_rows"] for r in reports}
+    assert len(rows) == 1, rows
+    if tensor_parallel > 1:  # the shard holds 1/k of the fused q, k, v rows
+        full = json.loads((tiny_model_dir / "config.json").read_text())
+        head_dim = full["hidden_size"] // full["num_attention_heads"]
+        assert rows == {(full["num_attention_heads"] + 2 * full["num_key_value_heads"]) * head_dim // tensor_parallel}

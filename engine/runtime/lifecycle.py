@@ -48,6 +48,7 @@ from engine.runtime.checkpoint import (
     save_checkpoint,
 )
 from engine.runtime.deepspeed_glue import scale_learning_rate
+from engine.runtime.distributed import ranks_not_sharing
 from engine.runtime.guards import NonFiniteGuard, RollbackGuard, TrainingAborted
 from engine.runtime.launch import GracefulStop, RunArgs, RunRefused
 
@@ -118,6 +119,14 @@ class RunLifecycle:
     # --- before any model loads -----------------------------------------------------------
     def _check_output_dir(self) -> str | None:
         """The checkpoint to resume (None for a fresh run); :class:`RunRefused` when the run must not start."""
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            blind = ranks_not_sharing(self.output_dir)
+            if blind:
+                raise RunRefused(
+                    "output", f"logging.output_dir {self.output_dir} is not one directory for all ranks: {', '.join(blind)} cannot "
+                    "see the files rank 0 writes there. Every rank writes its share of each checkpoint there and reads them all on "
+                    "--resume: put it on a filesystem every node mounts (NFS, Lustre, ...); nothing was changed."
+                )
         found = existing_run(self.output_dir, self.export_dir)
         if self.run_args.resume:
             path = latest_checkpoint(self.ckpt_root)

@@ -50,9 +50,16 @@ def check_reward_model(path: str, key: str, normalize: bool) -> None:
                                   "set reward_model.normalize false, or point at train_rm.py's model/")
 
 
-def check_vllm_can_run(path: str, key: str, trust_remote_code: bool = False) -> None:
-    """vLLM knows the architecture and, on a CPU, its attention runs the model's head size."""
+def check_vllm_can_run(path: str, key: str, trust_remote_code: bool = False, tensor_parallel_size: int = 1) -> None:
+    """vLLM knows the architecture, on a CPU its attention runs the model's head size, and the
+    attention heads split over ``tensor_parallel_size`` shards."""
     config = model_config(path, key, trust_remote_code)
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    tp = tensor_parallel_size
+    if heads % tp or (kv_heads % tp and tp % kv_heads):
+        raise RunRefused("config", f"rollout.tensor_parallel_size {tp}: '{key}' ({path}) has {heads} attention heads and {kv_heads} "
+                                   f"key/value heads, which vLLM cannot split into {tp} shards; choose a divisor of {heads}")
     from vllm import ModelRegistry  # imported by the sampler anyway
 
     unknown = [a for a in config.architectures or [] if a not in ModelRegistry.get_supported_archs()]

@@ -1,7 +1,7 @@
 """Colocated vLLM + ZeRO-3 actor: greedy outputs agree before training, diverge after an update,
 agree again after the bucketed weight sync.
 
-    deepspeed --num_gpus N tests/scripts/weight_sync_check.py MODEL_DIR
+    deepspeed --num_gpus N tests/scripts/weight_sync_check.py MODEL_DIR [--tensor-parallel K]
 
 Prints one JSON line per rank (prefixed by nothing else on that line).
 """
@@ -31,10 +31,19 @@ def tokens(samples) -> list[list[int]]:
     return [s[0].response_ids for s in samples]
 
 
+def shard_rows(sampler: VLLMSampler) -> int:
+    """Output rows of this rank's first fused qkv projection: the whole layer's, or a TP shard."""
+    rows = sampler.llm.collective_rpc(
+        lambda worker: next(m.output_size_per_partition for n, m in worker.model_runner.model.named_modules() if n.endswith("qkv_proj"))
+    )
+    return rows[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
     parser.add_argument("--local_rank", type=int, default=-1)
+    parser.add_argument("--tensor-parallel", type=int, default=1)
     args = parser.parse_args()
     rank, world = init_distributed(timeout_s=300)
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -45,8 +54,8 @@ def main() -> None:
     engine = initialize_training_engine(actor, ds_config, lr=3e-2, betas=(0.9, 0.95), weight_decay=0.0,
                                         lr_scheduler="constant_with_warmup", warmup_steps=0, total_steps=10)
     torch.manual_seed(123)
-    vllm = VLLMSampler(args.model, seed=1000 + rank, dtype="float32", max_model_len=256, kv_cache_bytes=64 << 20,
-                       eos_token_id=tok.eos_token_id)
+    vllm = VLLMSampler(args.model, seed=1000 + rank // args.tensor_parallel, dtype="float32", max_model_len=256, kv_cache_bytes=64 << 20,
+                       eos_token_id=tok.eos_token_id, tensor_parallel_size=args.tensor_parallel)
     after_vllm = torch.rand(1)  # the trainer's stream, as if vLLM had never started
     torch.manual_seed(123)
     rng_preserved = torch.equal(after_vllm, torch.rand(1))
@@ -68,8 +77,8 @@ def main() -> None:
     print(json.dumps({
         "rank": rank, "world": world, "before_equal": v0 == h0, "actor_changed": h1 != h0,
         "stale_equal": v_stale == h1, "after_equal": v1 == h1, "rng_preserved": rng_preserved,
-        "sync_s": sync_s, "generate_s": generate_s,
-    }))
+        "sync_s": sync_s, "generate_s": generate_s, "shard_rows": shard_rows(vllm),
+    }), flush=True)
     vllm.close()
     del keep_alive
 
