@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.data import packing
 from engine.data.batching import plan_micro_batches, token_mean_scale
-from engine.data.packing import block_causal_mask, last_token, next_token_logprobs, pack_sequences, packed_forward, unpack
+from engine.data.packing import attention_calls, block_causal_mask, last_token, next_token_logprobs, pack_sequences, packed_forward, unpack
 from engine.ppo.experience import response_logprobs
 from engine.runtime.models import load_causal_lm, load_value_model, resolve_attention
 
@@ -202,3 +203,34 @@ def test_auto_attention_on_a_cpu_is_varlen_sdpa(tiny_model_dir):
     assert resolve_attention("auto", torch.bfloat16) == "sdpa_varlen"  # no GPU here
     assert resolve_attention("eager", torch.float32) == "eager"
     assert load_causal_lm(str(tiny_model_dir)).config._attn_implementation == "sdpa_varlen"
+
+
+def test_attention_calls_group_short_neighbours_and_leave_long_sequences_alone():
+    bounds = [0, 7, 8, 31, 43, 45, 75, 84]  # LENGTHS
+    assert attention_calls(bounds, 0, 256) == [(s, [n]) for s, n in zip(bounds, LENGTHS)]
+    assert attention_calls(bounds, 24, 24) == [(0, [7, 1]), (8, [23]), (31, [12, 2]), (45, [30]), (75, [9])]
+    assert attention_calls(bounds, 12, 256) == [(0, [7, 1]), (8, [23]), (31, [12, 2]), (45, [30]), (75, [9])]
+    assert attention_calls(bounds, 256, 256) == [(0, LENGTHS)]
+
+
+@pytest.mark.parametrize("short_tokens, block_tokens", [(0, 0), (24, 24), (256, 256)])
+def test_sdpa_varlen_with_any_call_grouping_equals_padded_with_gradients(tiny_model_dir, short_tokens, block_tokens, monkeypatch):
+    """One call per sequence, short neighbours grouped under a block-diagonal mask, or the whole
+    row in one call: the same log-probs and gradients as padded, unpacked sequences."""
+    monkeypatch.setattr(packing, "SHORT_SEQUENCE_TOKENS", short_tokens)
+    monkeypatch.setattr(packing, "SHORT_BLOCK_TOKENS", block_tokens)
+    model = load_causal_lm(str(tiny_model_dir), attn_implementation="sdpa_varlen")
+    seqs = make_sequences(LENGTHS, model.config.vocab_size, seed=3)
+    model.zero_grad()
+    want_lp = padded_logprobs(model, seqs)
+    torch.cat(want_lp).sum().backward()
+    want = grads_of(model)
+    model.zero_grad()
+    packed = pack_sequences(seqs)
+    got_lp = next_token_logprobs(packed_forward(model, packed), packed)
+    torch.cat(got_lp).sum().backward()
+    for g, w in zip(got_lp, want_lp):
+        torch.testing.assert_close(g, w.detach(), atol=1e-5, rtol=0)
+    got = grads_of(model)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=0, msg=name)

@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--epochs", type=int, default=1)
     args = parser.parse_args()
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -48,7 +49,7 @@ def main() -> None:
         output_dir=args.out,
         per_device_train_batch_size=args.batch,
         per_device_eval_batch_size=args.batch,
-        num_train_epochs=1,
+        num_train_epochs=args.epochs,
         learning_rate=args.lr,
         max_length=512,
         report_to="none",
@@ -60,7 +61,7 @@ def main() -> None:
     trainer = RewardTrainer(model=model, args=config, train_dataset=train, eval_dataset=validation, processing_class=tokenizer)
     result = trainer.train()
     metrics = trainer.evaluate()
-    print(json.dumps({"train_seconds": result.metrics["train_runtime"], "pairs": len(train), "accuracy": metrics["eval_accuracy"]}))
+    print(json.dumps({"train_seconds": result.metrics["train_runtime"], "pairs": len(train) * args.epochs, "accuracy": metrics["eval_accuracy"]}))
 
 
 if __name__ == "__main__":
