@@ -243,6 +243,15 @@ class PPOSection:
         "gae", "gae (with a critic); critic-free, no critic engine: grpo (group mean/std), rloo (leave-one-out), reinforce_pp (global baseline)"
     )
     whiten_advantages: bool = option(True, "standardise GAE advantages over the rollout batch (all ranks)")
+    old_logprobs_from: Literal["actor", "sampler"] = option(
+        "actor", "PPO's old log-probs: the actor's experience forward, or the sampler's own (fp32 only; one forward fewer per "
+        "iteration; checked against the actor every sampler_check_every iterations, back to the actor for good when the gap is "
+        "above sampler_logprob_tolerance)"
+    )
+    sampler_check_every: int = option(10, "with old_logprobs_from sampler: compute both every N iterations (the first included)", ge=1)
+    sampler_logprob_tolerance: float = option(
+        1e-4, "with old_logprobs_from sampler: the largest mean |sampler - actor| log-prob gap that counts as the same", gt=0
+    )
 
 
 @dataclass
@@ -299,6 +308,9 @@ class PPOConfig:
             raise ConfigError(f"ppo.advantage_estimator {estimator} compares the samples of a prompt: set rollout.samples_per_prompt >= 2")
         if estimator != "gae" and self.critic.warmup_iterations:
             raise ConfigError(f"critic.warmup_iterations needs a critic, and ppo.advantage_estimator {estimator} has none: set it to 0")
+        if self.ppo.old_logprobs_from == "sampler" and self.actor.bf16:
+            raise ConfigError("ppo.old_logprobs_from sampler needs fp32 weights (actor.bf16 false): in bf16 the sampler's and the "
+                              "actor's log-probs differ by ~1e-3, so PPO must recompute them")
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rollout = self.rollout.prompts_per_iteration * self.rollout.samples_per_prompt
         if world % self.rollout.tensor_parallel_size:

@@ -155,3 +155,10 @@ def test_tensor_parallel_rollout_refuses_what_it_cannot_do(monkeypatch):
         build_config(PPOConfig, tp(4), source="run.json")
     assert build_config(PPOConfig, tp(2), source="run.json").rollout.tensor_parallel_size == 2
 
+
+def test_old_logprobs_from_the_sampler_need_fp32():
+    fine = MINIMAL[PPOConfig] | {"ppo": {"old_logprobs_from": "sampler"}}
+    assert build_config(PPOConfig, fine, source="run.json").ppo.old_logprobs_from == "sampler"
+    with pytest.raises(ConfigError, match=r"ppo.old_logprobs_from sampler needs fp32 weights \(actor.bf16 false\)"):
+        build_config(PPOConfig, fine | {"actor": {**MINIMAL[PPOConfig]["actor"], "bf16": True}}, source="run.json")
+

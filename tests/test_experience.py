@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from engine.ppo.experience import make_experience
+from engine.ppo.experience import OldLogprobSource, make_experience
 from engine.ppo.rewards import RewardScorer
 from engine.rollout.sampler import Sample
 from engine.runtime.models import load_causal_lm, load_value_model
@@ -60,3 +60,28 @@ def test_make_experience_equals_naive_padded_forwards(process_group, models):
     assert stats["kl"] == 0.0 and stats["score"] == pytest.approx(scores.mean().item())
     assert stats["response_length"] == sum(RESPONSE_LENS) / 4 and stats["finished"] == 1.0
     assert stats["sampler_logprob_gap"] > 0  # the samples carry made-up (zero) sampler log-probs
+
+
+def test_old_logprobs_from_the_sampler_skip_the_actor_forward(process_group, models):
+    actor, critic, scorer, tokenizer = models
+    batch = samples(actor.config.vocab_size)
+    batch = [Sample(s.prompt_ids, s.response_ids, [-0.5 - 0.1 * j for j in range(len(s.response_ids))], True) for s in batch]
+    prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(len(batch))]
+    exp, stats = make_experience(batch, prompt_messages=prompts, actor=None, critic=critic, ref=actor, scorer=scorer,
+                                 value_weights=torch.ones(1), tokenizer=tokenizer, max_tokens=24, kl_estimator="k1", kl_coef=0.5,
+                                 gamma=1.0, lam=1.0, whiten_advantages=True, old_logprobs_from_sampler=True)
+    for i, s in enumerate(batch):  # no actor forward ran (actor=None): the sampler's log-probs, padded
+        assert exp.old_logprobs[i, : len(s.logprobs)].tolist() == pytest.approx(s.logprobs)
+    assert "sampler_logprob_gap" not in stats  # nothing to measure it against
+
+
+def test_old_logprob_source_checks_itself_and_turns_off_for_good():
+    source = OldLogprobSource("sampler", check_every=3, tolerance=1e-4)
+    assert [source.use_sampler(i) for i in range(7)] == [False, True, True, False, True, True, False]
+    assert source.observe(2e-7) is None and source.observe(None) is None
+    assert "above ppo.sampler_logprob_tolerance" in source.observe(3e-3)
+    assert not any(source.use_sampler(i) for i in range(7)) and source.observe(1.0) is None
+    restored = OldLogprobSource("sampler", 3, 1e-4)
+    restored.load_state_dict(source.state_dict())
+    assert not restored.use_sampler(1)
+    assert not any(OldLogprobSource("actor", 3, 1e-4).use_sampler(i) for i in range(7))

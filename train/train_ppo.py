@@ -29,7 +29,7 @@ from engine.data.chat import prompt_ids
 from engine.data.errors import DataFileError
 from engine.data.prompts import load_prompts, prompts_that_fit
 from engine.ppo.evaluation import HeldOutEvaluator
-from engine.ppo.experience import make_experience
+from engine.ppo.experience import OldLogprobSource, make_experience
 from engine.ppo.losses import AdaptiveKLController, FixedKLController
 from engine.ppo.monitors import HackingMonitor
 from engine.ppo.rewards import RewardScorer
@@ -137,7 +137,7 @@ def held_out_eval(evaluator: HeldOutEvaluator, sampler, engines: HybridEngine, m
 
 
 def ppo_iteration(cfg: PPOConfig, iteration: int, prompts: list, sampler, sampling: SamplingSettings, engines: HybridEngine,
-                  tokenizer, kl_coef: float, experience_kw: dict, update_kw: dict, after_step) -> dict[str, float]:
+                  tokenizer, kl_coef: float, experience_kw: dict, update_kw: dict, after_step, old_from_sampler: bool) -> dict[str, float]:
     """One iteration on this rank's ``prompts``: generate -> make experience -> PPO epochs -> sync the
     sampler. Returns the ppo/* metrics (rollout statistics averaged over the ranks) and timing/*."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -147,7 +147,7 @@ def ppo_iteration(cfg: PPOConfig, iteration: int, prompts: list, sampler, sampli
     t1 = time.perf_counter()
     exp, rollout_stats = make_experience([s for group in groups for s in group],
                                          prompt_messages=[m for m, group in zip(prompts, groups) for _ in group], kl_coef=kl_coef,
-                                         **experience_kw)
+                                         old_logprobs_from_sampler=old_from_sampler, **experience_kw)
     t2 = time.perf_counter()
     train_stats = update_on_rollout(engines.actor, engines.critic, exp, train_actor=iteration >= cfg.critic.warmup_iterations,
                                     seed=cfg.train.seed * 100_003 + iteration, poison=nan_loss_at(iteration + 1), after_step=after_step,
@@ -206,6 +206,8 @@ def main() -> int:
     for name, guard in (("nonfinite", nonfinite), ("kl_guard", kl_guard), ("monitor", monitor)):
         run.track(name, guard, rolls_back=False)
     run.track_rollback(rollback, lr_factor=cfg.guards.rollback_lr_factor)
+    old_logprobs = OldLogprobSource(cfg.ppo.old_logprobs_from, cfg.ppo.sampler_check_every, cfg.ppo.sampler_logprob_tolerance)
+    run.track("old_logprobs", old_logprobs, rolls_back=False)
     run.after_restore(partial(sampler.sync_weights, engines.actor.module))
     run.at_finish(sampler.close)
     run.start(engines={"actor": engines.actor} | ({"critic": engines.critic} if engines.critic is not None else {}), lr_engine=engines.actor, export_engine=engines.actor,
@@ -245,7 +247,10 @@ def main() -> int:
             batch_msgs = [prompts[i] for i in epoch_order(len(prompts), cfg.train.seed, epoch)[start : start + per_rank]]
             metrics = ppo_iteration(cfg, run.step, batch_msgs, sampler, sampling, engines, tokenizer,
                                     kl_ctl.value if cfg.ppo.use_kl_in_reward else 0.0, experience_kw, update_kw,
-                                    after_step=partial(run.check_step, nonfinite, run.step + 1))
+                                    after_step=partial(run.check_step, nonfinite, run.step + 1),
+                                    old_from_sampler=old_logprobs.use_sampler(run.step))
+            if message := old_logprobs.observe(metrics.get("ppo/sampler_logprob_gap")):
+                run.event("old_logprobs_from_actor", message, step=run.step + 1)
             kl_ctl.update(metrics["ppo/kl_per_token"], n_steps=cfg.rollout.prompts_per_iteration * cfg.rollout.samples_per_prompt)
             run.step += 1
             monitor.record_train_score(metrics["ppo/score"])

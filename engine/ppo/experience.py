@@ -150,6 +150,7 @@ def make_experience(
     whiten_advantages: bool,
     advantage_estimator: AdvantageEstimator = "gae",
     group_size: int = 1,
+    old_logprobs_from_sampler: bool = False,
 ) -> tuple[Experience, dict[str, float]]:
     """Score and evaluate one rank's samples (``prompt_messages[i]`` is sample i's prompt).
 
@@ -157,7 +158,9 @@ def make_experience(
     log-probs, critic values (``critic`` None: a critic-free estimator, no forward), reward-model
     scores; then the per-token KL to the reference (``kl_coef`` 0: none in the reward) and the
     advantages (:func:`engine.ppo.losses.estimate_advantages`; whitening over all ranks; the
-    samples of a prompt, ``group_size`` of them, are contiguous).
+    samples of a prompt, ``group_size`` of them, are contiguous). ``old_logprobs_from_sampler``:
+    the samples' own log-probs stand in for the actor's forward (:class:`OldLogprobSource`), and
+    the sampler-actor gap is not measured.
     Returns the experience and this rank's rollout statistics (means over its samples).
     """
     pad = tokenizer.pad_token_id
@@ -165,7 +168,9 @@ def make_experience(
     prompt_lens = [len(s.prompt_ids) for s in samples]
     T = max(len(s.response_ids) for s in samples)
     mask = pad_right([torch.ones(len(s.response_ids), dtype=torch.bool) for s in samples], T)  # (B, T)
-    old_logprobs = pad_right(sequence_logprobs(actor, sequences, prompt_lens, max_tokens, pad), T)  # (B, T)
+    sampler_logprobs = pad_right([torch.tensor(s.logprobs) for s in samples], T)  # (B, T)
+    old_logprobs = (sampler_logprobs if old_logprobs_from_sampler
+                    else pad_right(sequence_logprobs(actor, sequences, prompt_lens, max_tokens, pad), T))  # (B, T)
     ref_logprobs = pad_right(sequence_logprobs(ref, sequences, prompt_lens, max_tokens, pad), T)  # (B, T)
     values = (pad_right(sequence_values(critic, sequences, prompt_lens, value_weights, max_tokens, pad), T) if critic is not None
               else torch.zeros(len(samples), T))  # (B, T)
@@ -175,14 +180,44 @@ def make_experience(
     rewards = token_rewards(scores, kl, mask, kl_coef)
     advantages, returns = estimate_advantages(advantage_estimator, rewards, values, mask, gamma, lam, group_size, whiten_advantages,
                                               group=torch.distributed.group.WORLD)
-    sampler_logprobs = pad_right([torch.tensor(s.logprobs) for s in samples], T)
     exp = Experience(sequences, prompt_lens, mask, old_logprobs, ref_logprobs, values, advantages, returns, scores, kl)
     stats = {
         "score": scores.mean().item(),
         "kl": kl.sum(1).mean().item(),  # per sequence
         "response_length": mask.sum(1).float().mean().item(),
         "finished": sum(s.finished for s in samples) / len(samples),
-        "sampler_logprob_gap": masked_mean((sampler_logprobs - old_logprobs).abs(), mask).item(),
         **{k: v.mean().item() for k, v in parts.items()},
     }
+    if not old_logprobs_from_sampler:
+        stats["sampler_logprob_gap"] = masked_mean((sampler_logprobs - old_logprobs).abs(), mask).item()
     return exp, stats
+
+
+class OldLogprobSource:
+    """Where PPO's old log-probs come from (``ppo.old_logprobs_from``): ``actor`` recomputes them
+    in an experience forward; ``sampler`` takes the sampler's own, exact when its weights are the
+    actor's in fp32 (the gap is ~1e-7), which saves that forward. The shortcut checks itself:
+    every ``check_every`` iterations, the first included, both are computed, and a mean gap
+    above ``tolerance`` turns it off for the rest of the run. Checkpointed, so a resume decides
+    as the straight run did."""
+
+    def __init__(self, source: str, check_every: int, tolerance: float):
+        self.on, self.check_every, self.tolerance = source == "sampler", check_every, tolerance
+
+    def use_sampler(self, iteration: int) -> bool:
+        """Whether 0-based ``iteration`` takes the sampler's log-probs (else the actor's)."""
+        return self.on and iteration % self.check_every != 0
+
+    def observe(self, gap: float | None) -> str | None:
+        """After an iteration that measured the gap: the message when it turns the shortcut off."""
+        if not self.on or gap is None or gap <= self.tolerance:
+            return None
+        self.on = False
+        return (f"sampler log-prob gap {gap:.2e} is above ppo.sampler_logprob_tolerance {self.tolerance:g}: "
+                "old log-probs come from the actor's forward from now on")
+
+    def state_dict(self) -> dict:
+        return {"on": self.on}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.on = state["on"]
