@@ -57,9 +57,13 @@ def trained_memory(total: int, largest: int, ds_config: dict[str, Any], world: i
     return f"ZeRO-{stage}, {world} rank(s): {size(device)} per device, {size(cpu)} CPU per node"
 
 
+def weight_bytes(total: int, bf16: bool, shards: int = 1) -> str:
+    """The size of ``total`` parameters' weights split into ``shards``."""
+    return size(total * (2 if bf16 else 4) / shards)
+
+
 def frozen_memory(total: int, ds_config: dict[str, Any], world: int, bf16: bool) -> str:
-    shards = world if zero_stage(ds_config) == 3 else 1
-    return f"{size(total * (2 if bf16 else 4) / shards)} weights per device"
+    return f"{weight_bytes(total, bf16, world if zero_stage(ds_config) == 3 else 1)} weights per device"
 
 
 def print_models(models: list[tuple[str, str, bool, Sequence[str] | None, bool]], ds_config: dict[str, Any], world: int, cfg_model) -> None:
@@ -75,7 +79,7 @@ def vllm_memory(cfg, world: int) -> str:
     tensor-parallel group (norms stay whole, a small share), plus the KV cache."""
     r, tp = cfg.rollout, cfg.rollout.tensor_parallel_size
     total, _ = parameter_counts(cfg.actor.path, False, None, cfg.actor.trust_remote_code)
-    weights = size(total * (2 if cfg.actor.bf16 else 4) / tp)
+    weights = weight_bytes(total, cfg.actor.bf16, tp)
     cache = f"{r.vllm_kv_cache_mb} MiB KV cache" if not torch.cuda.is_available() else f"KV cache in {r.vllm_gpu_memory_utilization:.0%} of the GPU"
     layout = f"{world // tp} engine(s) of tensor parallel size {tp}" if tp > 1 else f"{world} engine(s), one per rank"
     return f"{layout}: {weights} weights per rank + {cache}"

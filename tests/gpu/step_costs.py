@@ -19,7 +19,9 @@ import time
 import deepspeed
 import torch
 from transformers import AttentionInterface
+from varlen_attention import torch_varlen  # tests/gpu, this script's directory
 
+from engine.data import packing
 from engine.data.packing import pack_sequences, packed_forward
 from engine.runtime.deepspeed_glue import initialize_training_engine, training_ds_config
 from engine.runtime.models import load_causal_lm
@@ -28,17 +30,10 @@ SEQS, LEN, REPS = 64, 128, 5
 
 
 def torch_varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers' attention interface over torch.nn.attention.varlen (packed rows only)."""
-    import inspect
-
-    from torch.nn.attention.varlen import varlen_attn
-
-    cu = kwargs["cu_seq_lens_q"].to(query.device)
-    longest = int((cu[1:] - cu[:-1]).max())
-    causal = {"window_size": (-1, 0)} if "window_size" in inspect.signature(varlen_attn).parameters else {"is_causal": True}
+    """transformers' attention interface over torch's varlen kernel (packed rows only)."""
     groups = getattr(module, "num_key_value_groups", 1)
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)))
-    return varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, longest, longest, scale=scaling, **causal)[None], None
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)))
+    return torch_varlen(q, k, v, kwargs["cu_seq_lens_q"], scale=scaling)[None], None
 
 
 def step_seconds(model, step) -> float:
@@ -71,22 +66,16 @@ def main(model_dir: str) -> None:
     sync_us = (time.perf_counter() - start) * 1e6 / 200
     print(f"kernel launch {launch_us:.1f} us each (1,000 queued adds); launch + sync {sync_us:.1f} us")
     tokens = SEQS * LEN
-    AttentionInterface.register("torch_varlen", torch_varlen_attention)
-    for attn in ("sdpa_varlen", "torch_varlen"):
+    for name, attention in (("sdpa_varlen", packing.varlen_sdpa_attention), ("torch varlen", torch_varlen_attention)):
+        AttentionInterface.register(packing.VARLEN_SDPA, attention)  # packed_forward passes cu_seq_lens to this name
         model = load_causal_lm(model_dir, dtype=torch.bfloat16).to(cuda)
-        model.config._attn_implementation = attn
-        if attn == "torch_varlen":  # packed_forward passes cu_seq_lens only to sdpa_varlen
-            model.config._attn_implementation = "sdpa_varlen"
-            AttentionInterface.register("sdpa_varlen", torch_varlen_attention)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-5)
         try:
             s = step_seconds(model, lambda: (optim.step(), optim.zero_grad()))
-            print(f"bare model, {attn}: {s * 1e3:.1f} ms per step, {tokens / s:,.0f} tokens/s")
+            print(f"bare model, {name}: {s * 1e3:.1f} ms per step, {tokens / s:,.0f} tokens/s")
         except Exception as e:  # noqa: BLE001 -- report and go on
-            print(f"bare model, {attn}: {type(e).__name__}: {e}")
-    from engine.data import packing  # restore our attention for the engines
-
-    AttentionInterface.register("sdpa_varlen", packing.varlen_sdpa_attention)
+            print(f"bare model, {name}: {type(e).__name__}: {e}")
+    AttentionInterface.register(packing.VARLEN_SDPA, packing.varlen_sdpa_attention)  # ours for the engines
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29544")
     deepspeed.init_distributed("nccl")
     for cfg_name in ("zero2.json", "zero3.json"):

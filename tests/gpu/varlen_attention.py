@@ -30,14 +30,15 @@ def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor) ->
     return out[0]
 
 
-def torch_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+def torch_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Causal ``varlen_attn`` over (T, H, D) tensors (its causal argument differs between torch versions)."""
     from torch.nn.attention.varlen import varlen_attn
 
     params = inspect.signature(varlen_attn).parameters
     causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     cu = cu.to(q.device)
     longest = int((cu[1:] - cu[:-1]).max())
-    return varlen_attn(q, k, v, cu, cu, longest, longest, **causal)
+    return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, **causal)
 
 
 def seconds(fn, *args, reps: int = 10) -> float:
