@@ -55,6 +55,26 @@ class ModelSection:
 
 
 @dataclass
+class LoraSection:
+    rank: int = option(0, "LoRA rank r (0: off, every weight is trained)", ge=0)
+    alpha: float = option(16.0, "LoRA alpha: the adapter's output is scaled by alpha / rank", gt=0)
+    dropout: float = option(0.0, "dropout on the adapter's input in training", ge=0, lt=1)
+    target_modules: list[str] = option(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "names of the linear layers that get adapters (the last part of the module name; Llama/Qwen/Mistral names by default)",
+    )
+
+    def __post_init__(self):
+        if self.rank and not self.target_modules:
+            raise ConfigError("'target_modules' needs at least one layer name when rank > 0")
+
+
+@dataclass
+class PolicySection(ModelSection):
+    lora: LoraSection = section(LoraSection, "LoRA adapters: only they are trained and checkpointed; the reference is the actor with them off")
+
+
+@dataclass
 class OptimSection:
     lr: float = option(1e-5, "peak learning rate", gt=0)
     weight_decay: float = option(0.0, "AdamW weight decay", ge=0)
@@ -99,6 +119,10 @@ class RMSection:
     components: dict[str, float] = option({"reward": 1.0}, "reward components and their weights in the total")
     total_loss_coef: float = option(1.0, "weight of the BT loss of the weighted total on the overall preference", ge=0)
     center_coef: float = option(0.0, "weight of the centering term mean((r_c + r_r)^2)", ge=0)
+    share_prompt: bool = option(
+        True, "compute each pair's prompt once for chosen and rejected (exact; used with attention sdpa_varlen, the default "
+        "on CPUs and on GPUs without flash-attn)"
+    )
 
     def __post_init__(self):
         if not self.components:
@@ -181,6 +205,7 @@ class CriticSection:
     init_from: Literal["reward_model", "actor"] = option("reward_model", "initial weights of the critic's backbone")
     lr: float = option(5e-6, "critic learning rate (the schedule and betas follow 'optim')", gt=0)
     warmup_iterations: int = option(0, "first iterations train the critic only", ge=0)
+    lora: LoraSection = section(LoraSection, "LoRA adapters on the critic's backbone (its value head is trained whole)")
 
 
 @dataclass
@@ -248,6 +273,10 @@ class PPOSection:
         "iteration; checked against the actor every sampler_check_every iterations, back to the actor for good when the gap is "
         "above sampler_logprob_tolerance)"
     )
+    tis_cap: float | None = option(
+        None, "truncated importance sampling: weight each token's policy loss by min(pi_actor / pi_sampler, tis_cap), for a "
+        "sampler whose numerics differ from the trainer's (bf16, GPU kernels); e.g. 2.0 (None: off)", ge=1
+    )
     sampler_check_every: int = option(10, "with old_logprobs_from sampler: compute both every N iterations (the first included)", ge=1)
     sampler_logprob_tolerance: float = option(
         1e-4, "with old_logprobs_from sampler: the largest mean |sampler - actor| log-prob gap that counts as the same", gt=0
@@ -285,7 +314,7 @@ class MonitorSection:
 class PPOConfig:
     """Config of train/train_ppo.py."""
 
-    actor: ModelSection = required("policy to train (also the frozen reference)")
+    actor: PolicySection = required("policy to train (also the frozen reference)")
     reward_model: RewardModelSection = required("frozen reward model")
     data: PPODataSection = required("prompts")
     deepspeed: dict[str, Any] = required("DeepSpeed config of the trained models (ZeRO-3 for the hybrid engine)")
@@ -308,6 +337,9 @@ class PPOConfig:
             raise ConfigError(f"ppo.advantage_estimator {estimator} compares the samples of a prompt: set rollout.samples_per_prompt >= 2")
         if estimator != "gae" and self.critic.warmup_iterations:
             raise ConfigError(f"critic.warmup_iterations needs a critic, and ppo.advantage_estimator {estimator} has none: set it to 0")
+        if self.ppo.tis_cap is not None and self.ppo.old_logprobs_from == "sampler":
+            raise ConfigError("ppo.tis_cap corrects the gap between the sampler's and the actor's log-probs; with "
+                              "ppo.old_logprobs_from sampler the old log-probs are the sampler's and every weight is 1: drop one")
         if self.ppo.old_logprobs_from == "sampler" and self.actor.bf16:
             raise ConfigError("ppo.old_logprobs_from sampler needs fp32 weights (actor.bf16 false): in bf16 the sampler's and the "
                               "actor's log-probs differ by ~1e-3, so PPO must recompute them")

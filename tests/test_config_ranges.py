@@ -136,9 +136,14 @@ def test_bf16_follows_the_deepspeed_config_unless_the_run_config_says():
         ({"ppo": {"advantage_estimator": "rloo"}, "rollout": {"samples_per_prompt": 1}}, "rloo compares the samples of a prompt"),
         ({"ppo": {"advantage_estimator": "reinforce_pp"}, "critic": {"warmup_iterations": 2}},
          "critic.warmup_iterations needs a critic, and ppo.advantage_estimator reinforce_pp has none"),
+        ({"actor": {"path": "m", "lora": {"rank": 8, "target_modules": []}}}, "actor.lora: 'target_modules' needs at least one layer name"),
+        ({"critic": {"lora": {"rank": -1}}}, "critic.lora.rank"),
+        ({"critic": {"lora": {"dropout": 1.0}}}, "critic.lora.dropout"),
+        ({"ppo": {"tis_cap": 2.0, "old_logprobs_from": "sampler"}}, "ppo.tis_cap corrects the gap between the sampler's and the actor's"),
+        ({"ppo": {"tis_cap": 0.5}}, "ppo.tis_cap"),
     ],
 )
-def test_critic_free_estimators_refuse_what_they_cannot_do(overrides, message):
+def test_critic_free_estimators_and_lora_refuse_what_they_cannot_do(overrides, message):
     with pytest.raises(ConfigError) as refused:
         build_config(PPOConfig, MINIMAL[PPOConfig] | overrides, source="run.json")
     assert message in str(refused.value)

@@ -73,6 +73,20 @@ def test_old_logprobs_from_the_sampler_skip_the_actor_forward(process_group, mod
     for i, s in enumerate(batch):  # no actor forward ran (actor=None): the sampler's log-probs, padded
         assert exp.old_logprobs[i, : len(s.logprobs)].tolist() == pytest.approx(s.logprobs)
     assert "sampler_logprob_gap" not in stats  # nothing to measure it against
+    assert torch.equal(exp.is_weights, exp.mask.float()) and "tis_weight" not in stats  # no ppo.tis_cap
+
+
+def test_truncated_importance_weights_compare_the_actor_with_the_sampler(process_group, models):
+    actor, critic, scorer, tokenizer = models
+    batch = [Sample(s.prompt_ids, s.response_ids, [-1.0] * len(s.response_ids), True) for s in samples(actor.config.vocab_size)]
+    prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(len(batch))]
+    exp, stats = make_experience(batch, prompt_messages=prompts, actor=actor, critic=None, ref=actor, scorer=scorer,
+                                 value_weights=torch.ones(1), tokenizer=tokenizer, max_tokens=24, kl_estimator="k1", kl_coef=0.0,
+                                 gamma=1.0, lam=1.0, whiten_advantages=False, advantage_estimator="reinforce_pp", tis_cap=1.5)
+    want = (exp.old_logprobs + 1.0).exp().clamp(max=1.5) * exp.mask  # pi_actor / pi_sampler, the sampler's log-prob -1 each
+    torch.testing.assert_close(exp.is_weights, want)
+    assert stats["tis_weight"] == pytest.approx(want[exp.mask].mean().item(), abs=1e-6)
+    assert stats["tis_truncated"] == pytest.approx((want[exp.mask] >= 1.5).float().mean().item())
 
 
 def test_old_logprob_source_checks_itself_and_turns_off_for_good():

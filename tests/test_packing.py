@@ -234,3 +234,44 @@ def test_sdpa_varlen_with_any_call_grouping_equals_padded_with_gradients(tiny_mo
     got = grads_of(model)
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=0, msg=name)
+
+
+def test_tree_causal_lets_a_branch_see_its_prompt_and_itself_only():
+    t, f = True, False
+    assert packing.tree_causal(((2, (1, 2)),)).tolist() == [
+        [t, f, f, f, f],  # prompt 0
+        [t, t, f, f, f],  # prompt 1
+        [t, t, t, f, f],  # branch a
+        [t, t, f, t, f],  # branch b, first token: not branch a
+        [t, t, f, t, t],
+    ]
+    assert packing.tree_causal(((1, ()), (1, (1,)))).tolist() == [[t, f, f], [f, t, f], [f, t, t]]  # segments apart
+    assert torch.equal(packing.block_causal((2, 3)), packing.tree_causal(((2, ()), (3, ()))))
+
+
+@pytest.mark.parametrize("short_tokens, block_tokens", [(0, 0), (256, 256)])
+def test_shared_prompt_rows_give_the_rewards_and_gradients_of_separate_sequences(tiny_model_dir, short_tokens, block_tokens,
+                                                                                 monkeypatch):
+    """Pairs packed as prompt once + chosen + rejected (one call per pair, or all in one call)
+    score and backpropagate like each conversation packed whole."""
+    monkeypatch.setattr(packing, "SHORT_SEQUENCE_TOKENS", short_tokens)
+    monkeypatch.setattr(packing, "SHORT_BLOCK_TOKENS", block_tokens)
+    torch.manual_seed(0)
+    model = load_value_model(str(tiny_model_dir), ["a", "b"])
+    prompts = make_sequences([9, 3, 20], model.config.vocab_size, seed=5)
+    chosen = make_sequences([4, 1, 7], model.config.vocab_size, seed=6)
+    rejected = make_sequences([2, 6, 1], model.config.vocab_size, seed=7)
+    shared = packing.pack_shared([(p, [c, r]) for p, c, r in zip(prompts, chosen, rejected)])
+    assert shared.num_tokens == sum(map(len, prompts + chosen + rejected))
+    assert shared.position_ids[0, 9:15].tolist() == [9, 10, 11, 12, 9, 10]  # both branches continue the prompt
+    whole = pack_sequences([p + s for p, c, r in zip(prompts, chosen, rejected) for s in (c, r)])
+    results = []
+    for packed in (whole, shared):
+        model.zero_grad()
+        rewards = last_token(packed_forward(model, packed), packed)  # (6, 2): c0, r0, c1, r1, ...
+        (rewards * torch.arange(1.0, 13.0).view(6, 2)).sum().backward()
+        results.append((rewards.detach(), grads_of(model)))
+    (want_r, want_g), (got_r, got_g) = results
+    torch.testing.assert_close(got_r, want_r, atol=1e-5, rtol=0)
+    for name in want_g:  # gradients up to ~70 here (the reward weights 1..12): relative 1e-5
+        torch.testing.assert_close(got_g[name], want_g[name], atol=1e-5, rtol=1e-5, msg=name)

@@ -1,4 +1,5 @@
-"""Two ranks, real ZeRO-3: equal micro-step counts, every item once, padded-batch gradients."""
+"""Two ranks, real ZeRO-3: equal micro-step counts, every item once, padded-batch gradients; and
+the reward model's shared-prompt packing against whole sequences under ZeRO-2 and ZeRO-3."""
 
 from __future__ import annotations
 
@@ -55,3 +56,14 @@ def test_zero3_packed_step_equals_padded_full_batch_gradient(two_rank_run, tiny_
     for name, p in model.named_parameters():
         sgd_delta = saved["before"][name] - saved["after"][name]  # lr 1: the averaged gradient
         torch.testing.assert_close(sgd_delta, p.grad, atol=1e-5, rtol=0, msg=name)
+
+
+def test_shared_prompt_pairs_give_the_whole_sequence_gradient_on_two_ranks_under_zero2_and_zero3(tiny_model_dir, rm_data):
+    cmd = [*launcher_cmd(2), str(REPO / "tests" / "scripts" / "rm_shared_prompt_step.py"), str(tiny_model_dir),
+           str(rm_data / "validation.parquet")]
+    (line,) = [l for l in run_launched(cmd, ranks=2).stdout.splitlines() if l.startswith("{")]
+    report = json.loads(line)
+    assert report["world"] == 2 and report["tokens"]["shared"] < 0.7 * report["tokens"]["plain"]
+    for stage in ("zero2", "zero3"):
+        assert report[stage]["update"] > 1e-2, report  # the step moved the weights
+        assert report[stage]["weight_diff"] < 1e-5, report  # by the same gradient

@@ -31,7 +31,7 @@ def random_experience(vocab: int, seed: int = 0) -> Experience:
     return Experience(
         sequences=[p + r for p, r in zip(prompts, responses)], prompt_lens=[len(p) for p in prompts], mask=mask,
         old_logprobs=rand(0.5) - 3.0 * mask, ref_logprobs=rand(0.5) - 3.0 * mask, old_values=rand(), advantages=rand(),
-        returns=rand(), scores=torch.randn(B, generator=g), kl=rand(0.1),
+        returns=rand(), scores=torch.randn(B, generator=g), kl=rand(0.1), is_weights=mask.float(),
     )
 
 
@@ -82,6 +82,9 @@ def test_each_setting_changes_its_term_of_the_actor_loss():
     torch.testing.assert_close(kl.per_token, base.per_token + 0.1 * kl.kl)
     bonus = actor_token_loss(logprobs, entropy, exp, replace(plain, entropy_coef=0.01))
     torch.testing.assert_close(bonus.per_token, base.per_token - 0.01 * entropy)
+    weights = torch.rand(exp.mask.shape) * 2.0 * exp.mask  # truncated importance weights (ppo.tis_cap)
+    tis = actor_token_loss(logprobs, entropy, replace(exp, is_weights=weights), replace(plain, kl_loss_coef=0.1))
+    torch.testing.assert_close(tis.per_token, base.per_token * weights + 0.1 * kl.kl)  # the surrogate only, not the KL loss
 
 
 def make_engines(tiny_model_dir, seed: int):

@@ -16,8 +16,9 @@ from engine.data.chat import prompt_ids
 from engine.data.errors import DataFileError
 from engine.data.preferences import load_preferences, pairs_that_fit
 from engine.data.prompts import load_prompts, prompts_that_fit
+from engine.run_config import LoraSection
 from engine.runtime.launch import RunRefused
-from engine.runtime.preflight import check_reward_model, check_vllm_can_run, load_tokenizer
+from engine.runtime.preflight import check_lora_targets, check_reward_model, check_vllm_can_run, load_tokenizer
 
 
 def test_tokenizer_must_exist_and_carry_a_chat_template(tiny_model_dir, tmp_path):
@@ -63,6 +64,15 @@ def test_a_tensor_parallel_size_the_heads_do_not_split_into_is_refused(tiny_mode
     check_vllm_can_run(str(tiny_model_dir), "actor.path", tensor_parallel_size=4)  # key/value heads replicated
     with pytest.raises(RunRefused, match="tensor_parallel_size 3: 'actor.path' .* 4 attention heads and 2 key/value heads"):
         check_vllm_can_run(str(tiny_model_dir), "actor.path", tensor_parallel_size=3)
+
+
+def test_lora_target_modules_the_model_lacks_are_refused_with_the_names_it_has(tiny_model_dir, rm_run):
+    check_lora_targets(str(tiny_model_dir), "actor.lora", LoraSection(rank=4), value_head=False)
+    check_lora_targets(str(rm_run[0] / "run" / "model"), "critic.lora", LoraSection(rank=4), value_head=True)
+    check_lora_targets(str(tiny_model_dir), "actor.lora", LoraSection(rank=0, target_modules=["c_attn"]), value_head=False)  # off
+    with pytest.raises(RunRefused, match=r"'actor.lora.target_modules' \['c_attn'\]: Target modules \{'c_attn'\} not found .* "
+                                         r"its linear layers are \['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj'"):
+        check_lora_targets(str(tiny_model_dir), "actor.lora", LoraSection(rank=4, target_modules=["c_attn"]), value_head=False)
 
 
 def test_data_files_are_read_or_refused_by_name(tiny_model_dir, rm_data, tmp_path):

@@ -16,10 +16,11 @@ from engine.runtime.models import load_value_model
 COMPONENTS, WEIGHTS = ["helpful", "harmless"], torch.tensor([0.7, 0.3])
 
 
-@pytest.fixture(scope="module")
-def pairs_and_model(tiny_model_dir, rm_data):
+@pytest.fixture(scope="module", params=[False, True], ids=["whole", "shared_prompt"])
+def pairs_and_model(tiny_model_dir, rm_data, request):
+    """Pairs packed whole, or with chosen and rejected sharing their prompt's tokens (rm.share_prompt)."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    examples = load_preferences(str(rm_data / "validation.parquet"), tokenizer, COMPONENTS, use_margin=False)[:24]
+    examples = load_preferences(str(rm_data / "validation.parquet"), tokenizer, COMPONENTS, use_margin=False, share_prompt=request.param)[:24]
     torch.manual_seed(0)
     return examples, load_value_model(str(tiny_model_dir), COMPONENTS).eval(), tokenizer.pad_token_id
 
@@ -30,9 +31,9 @@ def naive_rewards(model, ids: list[int]) -> torch.Tensor:
 
 
 def test_score_pairs_reads_the_last_token_of_each_sequence(pairs_and_model):
-    examples, model, pad = pairs_and_model
+    examples, model, _ = pairs_and_model
     with torch.no_grad():
-        r_chosen, r_rejected = score_pairs(model, examples[:5], pad)
+        r_chosen, r_rejected = score_pairs(model, examples[:5])
     for i, e in enumerate(examples[:5]):
         torch.testing.assert_close(r_chosen[i].double(), naive_rewards(model, e.chosen_ids), atol=1e-5, rtol=0)
         torch.testing.assert_close(r_rejected[i].double(), naive_rewards(model, e.rejected_ids), atol=1e-5, rtol=0)
@@ -57,3 +58,15 @@ def test_evaluate_pairs_in_micro_batches_equals_the_naive_statistics(process_gro
         assert metrics[f"acc_{name}"] == pytest.approx((oriented > 0).double().mean().item())
         assert metrics[f"loss_{name}"] == pytest.approx(-F.logsigmoid(oriented).mean().item(), abs=1e-5)
     assert 0 < metrics["acc"] < 1 and math.isfinite(metrics["loss_total"])  # an untrained head: neither all right nor all wrong
+
+
+def test_a_shared_prompt_is_the_common_start_of_chosen_and_rejected(tiny_model_dir, rm_data):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    whole, shared = (load_preferences(str(rm_data / "validation.parquet"), tokenizer, COMPONENTS, use_margin=False, share_prompt=s)
+                     for s in (False, True))
+    assert all(e.shared_prefix == 0 for e in whole)
+    for w, e in zip(whole, shared):
+        p = e.shared_prefix
+        assert p > 0 and e.chosen_ids[:p] == e.rejected_ids[:p] and e.chosen_ids[p] != e.rejected_ids[p]
+        assert e.num_tokens == w.num_tokens - p  # what token-budget batching counts
+    assert sum(e.num_tokens for e in shared) < 0.7 * sum(e.num_tokens for e in whole)  # the synthetic prompts are ~24 of ~35 tokens

@@ -31,6 +31,7 @@ from engine.observe.records import read_records
 from engine.observe.report import expected_plots
 
 ITERATIONS, EVERY = PPO_ITERATIONS, PPO_EVERY
+LORA = {"rank": 8, "alpha": 32.0}  # actor.lora / critic.lora of the LoRA runs
 # Every per-iteration value that must repeat exactly after a resume (timings excluded).
 DETERMINISTIC = ("ppo/score", "ppo/kl", "ppo/pg_loss", "ppo/vf_loss", "ppo/entropy", "ppo/response_length", "ppo/kl_coef")
 
@@ -270,29 +271,36 @@ def test_actor_loss_settings_change_the_actor_update_only(tiny_model_dir, rm_run
     assert not torch.equal(actor("plain"), actor("terms"))
 
 
-def test_zero2_with_replicated_frozen_models(tiny_model_dir, rm_run, rm_data, tmp_path):
+def test_zero2_with_replicated_frozen_models_and_lora(tiny_model_dir, rm_run, rm_data, tmp_path):
+    """ZeRO-2 (replicated weights) with LoRA actor and critic: merged sync, export of both forms."""
     rm_root, _ = rm_run
     config = write_ppo_config(tmp_path / "ppo.json", tiny_model_dir, rm_root / "run" / "model", rm_data, tmp_path / "run",
-                              train__iterations=2, train__eval_every=0, checkpoint__every_steps=0)
+                              actor__lora=LORA, critic__lora=LORA, optim__lr=3e-3, train__iterations=2, train__eval_every=0,
+                              checkpoint__every_steps=0)
     launch("train_ppo.py", config, "--deepspeed", "tiny_cpu_zero2.json", "--guards.kl_ceiling", "1e-9")
     gap = metric_series(tmp_path / "run", "ppo/sampler_logprob_gap")
     assert len(gap) == 2 and max(gap.values()) < 1e-4
+    assert (tmp_path / "run" / "actor" / "model.safetensors").is_file()
+    assert json.loads((tmp_path / "run" / "actor" / "adapter" / "adapter_config.json").read_text())["r"] == LORA["rank"]
     # KL guard: iteration 1 samples from the reference itself (KL 0); iteration 2 is above the ceiling.
     # The monitor flags the held-out KL of the final evaluation against the same ceiling.
     assert [(e["step"], e["event"]) for e in read_events(tmp_path / "run")] == [(2, "kl_guard"), (2, "monitor/kl_above_ceiling")]
-    assert metric_series(tmp_path / "run", "ppo/actor_lr") == {1: 5e-4, 2: 2.5e-4}
+    assert metric_series(tmp_path / "run", "ppo/actor_lr") == {1: 3e-3, 2: 1.5e-3}
 
 
-def test_grpo_trains_without_a_critic(sft_run, rm_run, rm_data, tmp_path):
-    """A critic-free estimator builds, trains and checkpoints no critic, and the held-out reward
-    still rises (RLOO and REINFORCE++ share the path: engine/ppo/losses.estimate_advantages)."""
+@pytest.mark.parametrize("estimator, extra", [("grpo", {"actor__lora": LORA, "optim__lr": 3e-3}), ("rloo", {"ppo__tis_cap": 2.0}),
+                                              ("reinforce_pp", {})])
+def test_critic_free_estimators_train_without_a_critic(sft_run, rm_run, rm_data, tmp_path, estimator, extra):
+    """Each critic-free estimator builds, trains and checkpoints no critic, and raises the held-out
+    reward. GRPO runs with a LoRA actor: two models in memory, the actor and the reward model.
+    RLOO runs with truncated importance sampling, whose weights are 1 with an fp32 sampler."""
     (rm_root, _), (sft_root, _) = rm_run, sft_run
     config = write_ppo_config(tmp_path / "ppo.json", sft_root / "run" / "model", rm_root / "run" / "model", rm_data, tmp_path / "run",
-                              optim__lr=3e-4, ppo__kl_coef=0.2, ppo__advantage_estimator="grpo", train__iterations=10, train__eval_every=0,
-                              checkpoint__every_steps=5)
+                              ppo__kl_coef=0.2, ppo__advantage_estimator=estimator, train__iterations=10, train__eval_every=0,
+                              checkpoint__every_steps=5, **({"optim__lr": 3e-4} | extra))
     plan = subprocess.run([sys.executable, str(REPO / "train" / "train_ppo.py"), "--config", str(config), "--dry-run"],
                           capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert plan.returncode == 0 and "critic       none: ppo.advantage_estimator grpo needs no value model" in plan.stdout
+    assert plan.returncode == 0 and f"critic       none: ppo.advantage_estimator {estimator} needs no value model" in plan.stdout
     launch("train_ppo.py", config)
     run = tmp_path / "run"
     held_out = metric_series(run, "eval/reward")
@@ -300,3 +308,52 @@ def test_grpo_trains_without_a_critic(sft_run, rm_run, rm_data, tmp_path):
     assert sorted(p.name for p in (run / "checkpoints" / "step00000005").iterdir() if p.is_dir()) == ["actor"]
     metrics = read_records(str(run / "metrics.jsonl"))
     assert "ppo/pg_loss" in metrics[1] and not any(k.startswith("ppo/vf_") for m in metrics for k in m)
+    if "ppo__tis_cap" in extra:
+        assert all(abs(w - 1.0) < 1e-3 for w in metric_series(run, "ppo/tis_weight").values())
+
+
+def test_lora_actor_and_critic_learn_resume_exactly_and_export_adapter_and_merged_model(sft_run, rm_run, rm_data, tmp_path):
+    """LoRA on actor and critic under ZeRO-3 with vLLM: the sampler gets the merged weights after
+    every update (fp32 gap as for full weights), the reference is the actor with its adapters off,
+    checkpoints hold the adapters only, a resume repeats the run, and the export is a merged HF
+    model plus the adapter in PEFT format."""
+    (rm_root, _), (sft_root, _) = rm_run, sft_run
+    config = write_ppo_config(tmp_path / "ppo.json", sft_root / "run" / "model", rm_root / "run" / "model", rm_data, tmp_path / "run",
+                              actor__lora=LORA, critic__lora=LORA, optim__lr=3e-3, ppo__kl_coef=0.2, train__iterations=8,
+                              train__eval_every=0, checkpoint__every_steps=4)
+    plan = subprocess.run([sys.executable, str(REPO / "train" / "train_ppo.py"), "--config", str(config), "--dry-run"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert plan.returncode == 0, plan.stderr
+    assert "reference    none: the actor with its LoRA adapters disabled" in plan.stdout
+    assert plan.stdout.count("(LoRA rank 8: ") == 2 and "without LoRA:" in plan.stdout
+    launch("train_ppo.py", config)
+    run = tmp_path / "run"
+    held_out = metric_series(run, "eval/reward")
+    assert held_out[8] > held_out[0] + 0.2, held_out
+    assert max(metric_series(run, "ppo/sampler_logprob_gap").values()) < 1e-4  # vLLM holds W + BA after every sync
+    assert metric_series(run, "eval/kl")[0] == 0.0  # adapters start at B = 0: the policy is the reference
+    saved = sum(f.stat().st_size for f in (run / "checkpoints" / "step00000004" / "actor").rglob("*"))
+    full = sum(f.stat().st_size for f in (sft_root / "run" / "model").glob("*.safetensors"))
+    assert saved < full, (saved, full)  # adapters, their Adam states and the schedule only
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run, resumed)
+    shutil.rmtree(resumed / "actor")
+    assert (resumed / "checkpoints" / "latest").read_text().strip() == "step00000004"  # the last iteration exports instead
+    config_data = json.loads(config.read_text())
+    config_data["logging"]["output_dir"] = str(resumed)
+    (tmp_path / "resume.json").write_text(json.dumps(config_data))
+    assert "resumed at iteration 4" in launch("train_ppo.py", tmp_path / "resume.json", "--resume").stdout
+    for key in DETERMINISTIC:
+        assert metric_series(resumed, key) == metric_series(run, key), key
+
+    from peft import PeftModel
+
+    merged = AutoModelForCausalLM.from_pretrained(run / "actor")
+    base = AutoModelForCausalLM.from_pretrained(sft_root / "run" / "model")
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(sft_root / "run" / "model"), run / "actor" / "adapter")
+    ids = torch.tensor([[5, 17, 42, 99, 7, 8]])
+    with torch.no_grad():
+        logits = [m(input_ids=ids).logits for m in (merged, adapted, base)]
+    assert torch.allclose(logits[0], logits[1], atol=1e-5)  # merged == base + adapter
+    assert not torch.allclose(logits[0], logits[2], atol=1e-3)  # and both differ from the start

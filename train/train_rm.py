@@ -22,7 +22,7 @@ import torch
 from engine.config import config_to_dict
 from engine.data.batching import epoch_order, epoch_schedule, plan_global, token_mean_scale
 from engine.data.errors import DataFileError
-from engine.data.packing import dummy_forward_loss
+from engine.data.packing import VARLEN_SDPA, dummy_forward_loss
 from engine.data.preferences import PreferenceExample, collate_pairs, load_preferences, pairs_that_fit
 from engine.rm.losses import pair_losses
 from engine.rm.reward_model import PairStats, evaluate_pairs, score_pairs
@@ -34,7 +34,7 @@ from engine.runtime.faults import nan_loss_at
 from engine.runtime.guards import NonFiniteGuard
 from engine.runtime.launch import run_main, start_run
 from engine.runtime.lifecycle import RunEnded, RunLifecycle
-from engine.runtime.models import load_value_model
+from engine.runtime.models import load_value_model, resolve_attention
 from engine.runtime.preflight import load_tokenizer
 
 
@@ -54,7 +54,7 @@ def train_step(
             engine.backward(dummy_forward_loss(engine, pad_id))
             continue
         batch = [examples[i] for i in micro]
-        r_chosen, r_rejected = score_pairs(engine, batch, pad_id)
+        r_chosen, r_rejected = score_pairs(engine, batch)
         _, margins, labels = collate_pairs(batch)
         losses = pair_losses(r_chosen, r_rejected, weights, margins, labels)
         loss = (cfg.rm.total_loss_coef * losses.total.sum() + cfg.rm.center_coef * losses.center.sum()) * token_mean_scale(
@@ -75,15 +75,22 @@ def train_step(
     return metrics
 
 
+def shares_prompts(cfg: RewardModelConfig) -> bool:
+    """rm.share_prompt, where the attention implementation in effect runs shared-prompt rows (sdpa_varlen)."""
+    dtype = torch.bfloat16 if cfg.model.bf16 else torch.float32
+    return cfg.rm.share_prompt and resolve_attention(cfg.model.attn_implementation, dtype) == VARLEN_SDPA
+
+
 def load_pairs(path: str, tokenizer, cfg: RewardModelConfig, rank: int) -> list[PreferenceExample]:
-    """The pairs of ``path`` that fit one micro-batch (those that do not are dropped and counted)."""
-    pairs, dropped = pairs_that_fit(load_preferences(path, tokenizer, list(cfg.rm.components), cfg.data.use_margin),
+    """The pairs of ``path`` that fit one micro-batch (those that do not are dropped and counted),
+    their prompts marked to pack once where the attention implementation can (rm.share_prompt)."""
+    pairs, dropped = pairs_that_fit(load_preferences(path, tokenizer, list(cfg.rm.components), cfg.data.use_margin, shares_prompts(cfg)),
                                     cfg.train.max_tokens_per_micro_batch)
     if not pairs:
         raise DataFileError(f"{path}: no pair fits train.max_tokens_per_micro_batch ({cfg.train.max_tokens_per_micro_batch} tokens)")
     if dropped and rank == 0:
         print(f"{path}: dropped {dropped} of {len(pairs) + dropped} pairs longer than train.max_tokens_per_micro_batch "
-              f"({cfg.train.max_tokens_per_micro_batch} tokens, chosen + rejected)")
+              f"({cfg.train.max_tokens_per_micro_batch} tokens, chosen + rejected{', the prompt once' if shares_prompts(cfg) else ''})")
     return pairs
 
 

@@ -19,8 +19,15 @@ restarting at 0 for every sequence and no attention mask. Attention implementati
 detection and attention crosses sequence boundaries (max logit error 6.5 instead of 5e-6,
 seen on 5.19 / CPU).
 
+Shared prompts (:func:`pack_shared`, ``sdpa_varlen`` only): sequences that start with the same
+prompt -- the chosen and rejected of a preference pair -- pack as one segment, the prompt once
+and then each continuation ("branch"), with position ids continuing from the prompt. Inside a
+segment a branch token attends to the prompt and to its own branch, never to another branch:
+each branch computes what it would alone, and the prompt's activations (and, in backward, its
+gradients, summed over the branches) are computed once.
+
 Outputs come back unpacked: per-token values as one tensor per sequence, per-sequence values
-(a reward) read at each sequence's last token, next-token log-probs within each sequence.
+(a reward) read at each sequence's (branch's) last token, next-token log-probs within each sequence.
 """
 
 from __future__ import annotations
@@ -54,20 +61,25 @@ def varlen_sdpa_attention(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Causal SDPA inside each packed sequence (``cu_seq_lens_q`` boundaries); plain sdpa otherwise."""
+    """Causal SDPA inside each packed sequence (``cu_seq_lens_q`` boundaries; with
+    ``packed_branches``, segments of a shared prompt and its branches); plain sdpa otherwise."""
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
     if cu_seq_lens is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     groups = getattr(module, "num_key_value_groups", 1)
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # (1, H, T, D)
-    out = []
-    for start, lengths in attention_calls(cu_seq_lens.tolist(), SHORT_SEQUENCE_TOKENS, SHORT_BLOCK_TOKENS):
-        end = start + sum(lengths)
+    bounds = cu_seq_lens.tolist()
+    branches = kwargs.get("packed_branches") or ((),) * (len(bounds) - 1)
+    segments = [(n - sum(b), b) for n, b in zip((e - s for s, e in zip(bounds[:-1], bounds[1:])), branches)]  # (prefix, branches)
+    out, at = [], 0
+    for start, lengths in attention_calls(bounds, SHORT_SEQUENCE_TOKENS, SHORT_BLOCK_TOKENS):
+        end, call = start + sum(lengths), tuple(segments[at : at + len(lengths)])
+        at += len(lengths)
         q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
-        if len(lengths) == 1:
+        if len(lengths) == 1 and not call[0][1]:
             out.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True))
         else:
-            mask = block_causal(tuple(lengths)).to(q.device)
+            mask = tree_causal(call).to(q.device)
             out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling))
     return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None  # (1, T, H, D), as transformers expects
 
@@ -86,11 +98,23 @@ def attention_calls(bounds: list[int], short_tokens: int, block_tokens: int) -> 
     return calls
 
 
-@functools.lru_cache(maxsize=256)
 def block_causal(lengths: tuple[int, ...]) -> torch.Tensor:
     """(L, L) bool, True where query and key are in the same sequence and key <= query."""
-    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    return (seq[:, None] == seq[None, :]) & torch.ones(len(seq), len(seq), dtype=torch.bool).tril()
+    return tree_causal(tuple((n, ()) for n in lengths))
+
+
+@functools.lru_cache(maxsize=256)
+def tree_causal(segments: tuple[tuple[int, tuple[int, ...]], ...]) -> torch.Tensor:
+    """(L, L) bool attention of consecutive segments ``(prefix length, branch lengths)`` (a plain
+    sequence: ``(L, ())``): True where query and key share a segment, key <= query, and the key is
+    in the prefix or in the query's own branch."""
+    segment, branch = [], []
+    for i, (prefix, branches) in enumerate(segments):
+        segment += [i] * (prefix + sum(branches))
+        branch += [0] * prefix + [b + 1 for b, n in enumerate(branches) for _ in range(n)]
+    seg, br = torch.tensor(segment), torch.tensor(branch)
+    visible = (seg[:, None] == seg[None, :]) & ((br[None, :] == 0) | (br[:, None] == br[None, :]))
+    return visible & torch.ones(len(seg), len(seg), dtype=torch.bool).tril()
 
 
 AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
@@ -102,13 +126,15 @@ AttentionMaskInterface.register(VARLEN_SDPA, sdpa_mask)
 class PackedBatch:
     """Sequences concatenated into one row.
 
-    ``seq_lens`` lists the real sequences; an empty micro-batch (a rank with nothing left to do
-    while others still train) packs one padding token and has ``seq_lens == []``.
+    ``seq_lens`` lists the real sequences (segments, with :func:`pack_shared`); an empty
+    micro-batch (a rank with nothing left to do while others still train) packs one padding
+    token and has ``seq_lens == []``.
     """
 
     input_ids: torch.Tensor  # (1, T) long
-    position_ids: torch.Tensor  # (1, T) long, restarting at 0 per sequence
+    position_ids: torch.Tensor  # (1, T) long, restarting at 0 per sequence (segment)
     seq_lens: list[int]
+    branches: tuple[tuple[int, ...], ...] | None = None  # pack_shared: each segment's branch lengths after its prompt
 
     @property
     def starts(self) -> list[int]:
@@ -141,6 +167,27 @@ def pack_sequences(sequences: Sequence[Sequence[int]], pad_token_id: int = 0) ->
     return PackedBatch(input_ids, position_ids, [len(s) for s in sequences])
 
 
+def pack_shared(segments: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], pad_token_id: int = 0) -> PackedBatch:
+    """Pack ``(prompt, [branch, ...])`` segments: the prompt once, then its branches, each
+    positioned as if it followed the prompt alone (see the module docstring)."""
+    if any(not branches or any(len(b) == 0 for b in branches) for _, branches in segments):
+        raise ValueError("every segment needs branches of at least one token")
+    packed = pack_sequences([[*prompt, *(t for b in branches for t in b)] for prompt, branches in segments], pad_token_id)
+    if not segments:
+        return packed
+    positions = [torch.cat([torch.arange(len(prompt)), *(torch.arange(len(prompt), len(prompt) + len(b)) for b in branches)])
+                 for prompt, branches in segments]
+    return PackedBatch(packed.input_ids, torch.cat(positions).unsqueeze(0), packed.seq_lens,
+                       tuple(tuple(len(b) for b in branches) for _, branches in segments))
+
+
+def branch_ends(packed: PackedBatch) -> torch.Tensor:
+    """(N,) row position of the last token of every branch (:func:`pack_shared`), segment by segment."""
+    ends = [s + n - sum(b) + e - 1 for s, n, b in zip(packed.starts, packed.seq_lens, packed.branches or ())
+            for e in torch.tensor(b).cumsum(0).tolist()]
+    return torch.tensor(ends, dtype=torch.long)
+
+
 def block_causal_mask(packed: PackedBatch, dtype: torch.dtype) -> torch.Tensor:
     """Explicit additive mask (1, 1, T, T): 0 where query and key share a sequence and key <= query."""
     allowed = block_causal(tuple(packed.seq_lens or [1]))
@@ -164,6 +211,10 @@ def packed_forward(model: torch.nn.Module, packed: PackedBatch, logits_positions
         kwargs["logits_to_keep"] = logits_positions
     if attn == VARLEN_SDPA:
         kwargs["cu_seq_lens_q"] = kwargs["cu_seq_lens_k"] = packed.cu_seq_lens
+        if packed.branches is not None:
+            kwargs["packed_branches"] = packed.branches
+    elif packed.branches is not None:
+        raise ValueError(f"shared-prompt packing needs attention {VARLEN_SDPA}, not {attn}")
     elif attn not in POSITION_ID_PACKING:
         kwargs["attention_mask"] = block_causal_mask(packed, hf_model.dtype)
     device = next(hf_model.parameters()).device  # ZeRO-3's partitioned placeholders live there too
@@ -176,8 +227,12 @@ def unpack(per_token: torch.Tensor, packed: PackedBatch) -> list[torch.Tensor]:
 
 
 def last_token(per_token: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
-    """(1, T, ...) -> (N, ...) on the CPU: the value at each sequence's last token (a reward)."""
-    ends = torch.tensor([s + n - 1 for s, n in zip(packed.starts, packed.seq_lens)], dtype=torch.long)
+    """(1, T, ...) -> (N, ...) on the CPU: the value at each sequence's (with :func:`pack_shared`,
+    each branch's) last token (a reward)."""
+    if packed.branches is not None:
+        ends = branch_ends(packed)
+    else:
+        ends = torch.tensor([s + n - 1 for s, n in zip(packed.starts, packed.seq_lens)], dtype=torch.long)
     return per_token[0, ends.to(per_token.device)].cpu()
 
 

@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.data.chat import tokenize_pairs
 from engine.data.errors import DataFileError, read_parquet
+from engine.data.packing import PackedBatch, pack_sequences, pack_shared
 
 REQUIRED_COLUMNS = ("prompt", "chosen", "rejected", "margin", "components")
 
@@ -22,16 +23,28 @@ class PreferenceExample:
     rejected_ids: list[int]
     margin: float  # 0.0 where the data gives none
     labels: tuple[int, ...]  # per configured component: +1 chosen better, -1 rejected better, 0 unlabelled
+    shared_prefix: int = 0  # leading tokens packed once for both (engine/data/packing.pack_shared); 0: none shared
 
     @property
     def num_tokens(self) -> int:
-        return len(self.chosen_ids) + len(self.rejected_ids)
+        """Tokens the pair takes in a packed row: its shared prefix counts once."""
+        return len(self.chosen_ids) + len(self.rejected_ids) - self.shared_prefix
+
+
+def shared_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common start of ``a`` and ``b``, leaving each at least one token of its own."""
+    limit, n = min(len(a), len(b)) - 1, 0
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def load_preferences(
-    path: str, tokenizer: PreTrainedTokenizerBase, components: Sequence[str], use_margin: bool, chunk: int = 1024
+    path: str, tokenizer: PreTrainedTokenizerBase, components: Sequence[str], use_margin: bool, share_prompt: bool = False,
+    chunk: int = 1024,
 ) -> list[PreferenceExample]:
-    """Read and tokenize a pairs parquet; labels follow the order of ``components``."""
+    """Read and tokenize a pairs parquet; labels follow the order of ``components``. With
+    ``share_prompt`` each pair's common first tokens (its prompt) are marked to pack once."""
     rows = read_parquet(path, REQUIRED_COLUMNS, "data_prep/prepare_preferences.py").to_pylist()
     if not rows:
         raise DataFileError(f"{path}: no pairs")
@@ -48,6 +61,7 @@ def load_preferences(
                     rejected_ids=full[len(part) + i],
                     margin=float(r["margin"]) if use_margin and r["margin"] is not None else 0.0,
                     labels=tuple(int(labels.get(name, 0)) for name in components),
+                    shared_prefix=shared_prefix_length(full[i], full[len(part) + i]) if share_prompt else 0,
                 )
             )
     if len(components) > 1:
@@ -59,12 +73,17 @@ def load_preferences(
 
 
 
-def collate_pairs(examples: Sequence[PreferenceExample]) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
-    """Sequences in packing order (c0, r0, c1, r1, ...), margins (B,), labels (B, C)."""
-    sequences = [ids for e in examples for ids in (e.chosen_ids, e.rejected_ids)]
+def collate_pairs(examples: Sequence[PreferenceExample]) -> tuple[PackedBatch, torch.Tensor, torch.Tensor]:
+    """One packed row of the pairs (c0, r0, c1, r1, ...; a pair's shared prefix once, before its
+    two continuations), margins (B,), labels (B, C)."""
+    if any(e.shared_prefix for e in examples):
+        packed = pack_shared([(e.chosen_ids[: e.shared_prefix], [e.chosen_ids[e.shared_prefix :], e.rejected_ids[e.shared_prefix :]])
+                              for e in examples])
+    else:
+        packed = pack_sequences([ids for e in examples for ids in (e.chosen_ids, e.rejected_ids)])
     margins = torch.tensor([e.margin for e in examples], dtype=torch.float32)
     labels = torch.tensor([e.labels for e in examples], dtype=torch.long).view(len(examples), -1)
-    return sequences, margins, labels
+    return packed, margins, labels
 
 
 def labelled_components(rows: Sequence[dict]) -> list[str]:

@@ -14,7 +14,15 @@ import torch
 
 from engine.data.batching import plan_micro_batches
 from engine.data.packing import PackedBatch, pack_sequences, packed_forward, target_logprobs, unpack
-from engine.ppo.losses import AdvantageEstimator, entropy_from_logits, estimate_advantages, kl_penalty, masked_mean, token_rewards
+from engine.ppo.losses import (
+    AdvantageEstimator,
+    entropy_from_logits,
+    estimate_advantages,
+    kl_penalty,
+    masked_mean,
+    token_rewards,
+    truncated_is_weights,
+)
 from engine.runtime.distributed import agree_max
 
 if TYPE_CHECKING:
@@ -121,13 +129,15 @@ class Experience:
     returns: torch.Tensor  # (B, T)
     scores: torch.Tensor  # (B,) final sequence score (reward model + rules + penalties)
     kl: torch.Tensor  # (B, T) per-token KL estimate vs the reference
+    is_weights: torch.Tensor  # (B, T) truncated importance weight of each token's policy loss (ones without ppo.tis_cap)
 
     def select(self, rows: Sequence[int]) -> "Experience":
         idx = torch.tensor(list(rows), dtype=torch.long)
         return Experience(
             sequences=[self.sequences[i] for i in rows],
             prompt_lens=[self.prompt_lens[i] for i in rows],
-            **{f: getattr(self, f)[idx] for f in ("mask", "old_logprobs", "ref_logprobs", "old_values", "advantages", "returns", "scores", "kl")},
+            **{f: getattr(self, f)[idx] for f in ("mask", "old_logprobs", "ref_logprobs", "old_values", "advantages", "returns", "scores", "kl",
+                                                "is_weights")},
         )
 
 
@@ -151,6 +161,7 @@ def make_experience(
     advantage_estimator: AdvantageEstimator = "gae",
     group_size: int = 1,
     old_logprobs_from_sampler: bool = False,
+    tis_cap: float | None = None,
 ) -> tuple[Experience, dict[str, float]]:
     """Score and evaluate one rank's samples (``prompt_messages[i]`` is sample i's prompt).
 
@@ -160,7 +171,8 @@ def make_experience(
     advantages (:func:`engine.ppo.losses.estimate_advantages`; whitening over all ranks; the
     samples of a prompt, ``group_size`` of them, are contiguous). ``old_logprobs_from_sampler``:
     the samples' own log-probs stand in for the actor's forward (:class:`OldLogprobSource`), and
-    the sampler-actor gap is not measured.
+    the sampler-actor gap is not measured. ``tis_cap``: weight each token's policy loss by
+    :func:`engine.ppo.losses.truncated_is_weights` of the actor's over the sampler's log-probs.
     Returns the experience and this rank's rollout statistics (means over its samples).
     """
     pad = tokenizer.pad_token_id
@@ -180,7 +192,8 @@ def make_experience(
     rewards = token_rewards(scores, kl, mask, kl_coef)
     advantages, returns = estimate_advantages(advantage_estimator, rewards, values, mask, gamma, lam, group_size, whiten_advantages,
                                               group=torch.distributed.group.WORLD)
-    exp = Experience(sequences, prompt_lens, mask, old_logprobs, ref_logprobs, values, advantages, returns, scores, kl)
+    is_weights = truncated_is_weights(old_logprobs, sampler_logprobs, tis_cap) * mask if tis_cap else mask.float()  # (B, T)
+    exp = Experience(sequences, prompt_lens, mask, old_logprobs, ref_logprobs, values, advantages, returns, scores, kl, is_weights)
     stats = {
         "score": scores.mean().item(),
         "kl": kl.sum(1).mean().item(),  # per sequence
@@ -190,6 +203,9 @@ def make_experience(
     }
     if not old_logprobs_from_sampler:
         stats["sampler_logprob_gap"] = masked_mean((sampler_logprobs - old_logprobs).abs(), mask).item()
+    if tis_cap:
+        stats["tis_weight"] = masked_mean(is_weights, mask).item()
+        stats["tis_truncated"] = masked_mean((is_weights >= tis_cap).float(), mask).item()
     return exp, stats
 
 

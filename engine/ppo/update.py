@@ -42,9 +42,11 @@ class ActorLoss(NamedTuple):
 
 
 def actor_token_loss(logprobs: torch.Tensor, entropy: torch.Tensor, mb: Experience, settings: PolicyLossSettings) -> ActorLoss:
-    """Per-token actor loss: policy surrogate [+ kl_loss_coef * KL(new || ref)] [- entropy_coef * entropy]."""
+    """Per-token actor loss: is_weight * policy surrogate [+ kl_loss_coef * KL(new || ref)] [- entropy_coef * entropy]
+    (``mb.is_weights``: truncated importance weights, ones unless ppo.tis_cap)."""
     pg = settings.policy_loss(logprobs, mb.old_logprobs, mb.advantages)
-    per_token = pg.loss - settings.entropy_coef * entropy if settings.entropy_coef else pg.loss
+    per_token = pg.loss * mb.is_weights
+    per_token = per_token - settings.entropy_coef * entropy if settings.entropy_coef else per_token
     kl = kl_penalty(logprobs, mb.ref_logprobs, settings.kl_estimator) if settings.kl_loss_coef else None
     if kl is not None:
         per_token = per_token + settings.kl_loss_coef * kl

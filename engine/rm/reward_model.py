@@ -7,19 +7,19 @@ from typing import Sequence
 import torch
 
 from engine.data.batching import plan_global
-from engine.data.packing import dummy_forward_loss, last_token, pack_sequences, packed_forward
+from engine.data.packing import dummy_forward_loss, last_token, packed_forward
 from engine.data.preferences import PreferenceExample, collate_pairs
 from engine.rm.losses import PairLosses, pair_losses, weighted_total
 from engine.runtime.distributed import all_reduce
 
 
-def score_pairs(model, examples: Sequence[PreferenceExample], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def score_pairs(model, examples: Sequence[PreferenceExample]) -> tuple[torch.Tensor, torch.Tensor]:
     """Rewards at the last token of each chosen and rejected sequence: two (B, C) tensors.
 
-    Chosen and rejected of a pair are adjacent in one packed row and re-paired by position.
+    Chosen and rejected of a pair are adjacent in one packed row (sharing their prompt's tokens
+    when the examples mark it) and re-paired by position.
     """
-    sequences, _, _ = collate_pairs(examples)
-    packed = pack_sequences(sequences, pad_token_id)
+    packed, _, _ = collate_pairs(examples)
     rewards = last_token(packed_forward(model, packed), packed).float()  # (2B, C)
     rewards = rewards.view(len(examples), 2, -1)  # (B, [chosen, rejected], C)
     return rewards[:, 0], rewards[:, 1]
@@ -113,7 +113,7 @@ def evaluate_pairs(
             dummy_forward_loss(model, pad_token_id)
             continue
         batch = [examples[i] for i in micro]
-        r_chosen, r_rejected = score_pairs(model, batch, pad_token_id)
+        r_chosen, r_rejected = score_pairs(model, batch)
         _, margins, labels = collate_pairs(batch)
         stats.add(r_chosen, r_rejected, weights, labels, pair_losses(r_chosen, r_rejected, weights, margins, labels))
     return stats.reduce()

@@ -107,6 +107,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def has_frozen_parameters(engine) -> bool:
+    """Whether a trained engine has parameters it does not train (LoRA's base weights), which its
+    checkpoints leave out: they are reloaded from the model path."""
+    return any(not p.requires_grad for p in engine.module.parameters())
+
+
 def save_checkpoint(
     ckpt_root: str, step: int, engines: dict[str, Any], trainer_state: dict[str, Any], keep_last: int, keep: str | None = None
 ) -> str:
@@ -122,7 +128,7 @@ def save_checkpoint(
     try:
         for name, engine in engines.items():
             engine.checkpoint_engine.write_error = None
-            engine.save_checkpoint(tmp, tag=name, save_latest=False)
+            engine.save_checkpoint(tmp, tag=name, save_latest=False, exclude_frozen_parameters=True)  # LoRA: the adapters only
             error = error or engine.checkpoint_engine.write_error
         if faults.fail_checkpoint_write_at(step):
             raise OSError(errno.ENOSPC, "No space left on device (injected by RLHF_FAULTS)")
@@ -227,7 +233,8 @@ def load_checkpoint(path: str, engines: dict[str, Any], run_identity: dict[str, 
         )
     for name, engine in engines.items():
         try:
-            load_path, _ = engine.load_checkpoint(path, tag=name, load_optimizer_states=True, load_lr_scheduler_states=True)
+            load_path, _ = engine.load_checkpoint(path, tag=name, load_optimizer_states=True, load_lr_scheduler_states=True,
+                                                  load_module_strict=not has_frozen_parameters(engine))
         except pickle.UnpicklingError as e:  # GuardedCheckpointEngine: an object that is not a tensor or DeepSpeed state
             unsafe = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line), str(e).splitlines()[0])
             raise ResumeError(f"{path}: refused to load engine '{name}': its files hold an object that loading would run code for "
@@ -273,10 +280,15 @@ class OutputDirError(RuntimeError):
     """The output directory cannot take this run's checkpoints."""
 
 
+def parameter_count(models: list[torch.nn.Module], trained_only: bool = False) -> int:
+    """Parameters of ``models`` at their full size (ZeRO-3: ``ds_numel``), or only the trained ones."""
+    return sum(getattr(p, "ds_numel", p.numel()) for m in models for p in m.parameters() if p.requires_grad or not trained_only)
+
+
 def checkpoint_bytes(models: list[torch.nn.Module]) -> int:
-    """Upper estimate of one checkpoint of trained models: 16 bytes a parameter (weights, fp32
-    master and two Adam moments). ZeRO-3 parameters count at their full size (``ds_numel``)."""
-    return 16 * sum(getattr(p, "ds_numel", p.numel()) for m in models for p in m.parameters())
+    """Upper estimate of one checkpoint of trained models: 16 bytes a trained parameter (weights,
+    fp32 master and two Adam moments); frozen ones (LoRA's base) are not saved."""
+    return 16 * parameter_count(models, trained_only=True)
 
 
 def preflight_output_dir(output_dir: str, needed_bytes: int) -> None:

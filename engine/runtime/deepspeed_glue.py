@@ -10,10 +10,12 @@ from typing import Any, Callable
 
 import deepspeed
 import torch
+from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 from transformers.integrations import HfDeepSpeedConfig
 
 from engine.runtime.checkpoint import GuardedCheckpointEngine
+from engine.runtime.hf_weights import merged_state_dict
 
 
 def training_ds_config(ds_config: dict[str, Any], bf16: bool) -> dict[str, Any]:
@@ -111,26 +113,35 @@ def describe_engine(engine) -> str:
             f"gradient checkpointing {'on' if getattr(engine.module, 'is_gradient_checkpointing', False) else 'off'}")
 
 
-def full_state_dict(engine) -> dict[str, torch.Tensor] | None:
-    """The unpartitioned weights on rank 0 (None elsewhere). A collective under ZeRO-3."""
+def full_state_dict(engine, trained_only: bool = False) -> dict[str, torch.Tensor] | None:
+    """The unpartitioned weights (or only the trained ones) on rank 0, None elsewhere. A collective under ZeRO-3."""
     if engine.zero_optimization_partition_weights():
-        return engine._zero3_consolidated_16bit_state_dict()
-    return engine.module.state_dict() if torch.distributed.get_rank() == 0 else None
+        return engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=trained_only)
+    if torch.distributed.get_rank() != 0:
+        return None
+    trained = {name for name, p in engine.module.named_parameters() if p.requires_grad}
+    return {name: t for name, t in engine.module.state_dict().items() if name in trained or not trained_only}
 
 
 def save_hf_model(
     engine, tokenizer: PreTrainedTokenizerBase, out_dir: str, extra_json: dict[str, dict] | None = None
 ) -> None:
-    """Save the engine's model in HF format (safetensors + config + tokenizer) to ``out_dir``.
+    """Save the engine's model in HF format (safetensors + config + tokenizer) to ``out_dir``; a
+    LoRA model (PEFT) as the merged model, with the adapter alone in PEFT format in ``out_dir/adapter``.
 
     All ranks call it. Rank 0 writes into a temporary sibling and renames it into place, so
     ``out_dir`` holds a complete model at every moment but one rename.
     """
-    state = full_state_dict(engine)
+    lora = isinstance(engine.module, PeftModel)
+    state = merged_state_dict(engine.module) if lora else full_state_dict(engine)
+    adapter = full_state_dict(engine, trained_only=True) if lora else None
     if torch.distributed.get_rank() == 0:
         tmp = f"{out_dir}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        engine.module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        hf_model = engine.module.get_base_model() if lora else engine.module
+        hf_model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        if lora:
+            engine.module.save_pretrained(os.path.join(tmp, "adapter"), state_dict=adapter)
         tokenizer.save_pretrained(tmp)
         for name, payload in (extra_json or {}).items():
             with open(os.path.join(tmp, name), "w") as f:

@@ -14,12 +14,12 @@ import numpy as np
 import torch
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from engine.data.batching import epoch_order, epoch_schedule, plan_global, plan_micro_batches
 from engine.data.chat import prompt_ids
 from engine.runtime.deepspeed_glue import zero_stage
-from engine.runtime.models import value_model_config
+from engine.runtime.lora import add_adapters
+from engine.runtime.models import meta_model
 
 
 def size(num_bytes: float) -> str:
@@ -33,12 +33,7 @@ def length_stats(lengths: Sequence[int]) -> str:
 
 def parameter_counts(path: str, value_head: bool, components: Sequence[str] | None = None, trust_remote_code: bool = False) -> tuple[int, int]:
     """``(total, largest layer)`` parameters of the model a script would load from ``path``."""
-    if value_head:
-        config, auto = value_model_config(path, components, trust_remote_code), AutoModelForTokenClassification
-    else:
-        config, auto = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), AutoModelForCausalLM
-    with torch.device("meta"):
-        model = auto.from_config(config, trust_remote_code=trust_remote_code)
+    model = meta_model(path, value_head, components, trust_remote_code)
     total = sum(p.numel() for p in model.parameters())  # tied weights count once
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     return total, largest
@@ -66,10 +61,18 @@ def frozen_memory(total: int, ds_config: dict[str, Any], world: int, bf16: bool)
     return f"{weight_bytes(total, bf16, world if zero_stage(ds_config) == 3 else 1)} weights per device"
 
 
-def print_models(models: list[tuple[str, str, bool, Sequence[str] | None, bool]], ds_config: dict[str, Any], world: int, cfg_model) -> None:
-    """models: (name, path, value_head, components, trained)."""
-    for name, path, value_head, components, trained in models:
+def print_models(models: list[tuple], ds_config: dict[str, Any], world: int, cfg_model) -> None:
+    """models: (name, path, value_head, components, trained[, lora section]). With LoRA the base
+    weights are frozen and only the adapters (and a value head) have gradients and Adam states."""
+    for name, path, value_head, components, trained, *lora in models:
         total, largest = parameter_counts(path, value_head, components, cfg_model.trust_remote_code)
+        if lora and lora[0].rank:
+            model = add_adapters(meta_model(path, value_head, components, cfg_model.trust_remote_code), lora[0], causal_lm=not value_head)
+            adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            print(f"  {name:<12} {total:>15,} parameters (LoRA rank {lora[0].rank}: {adapters:,} trained): "
+                  f"{frozen_memory(total, ds_config, world, cfg_model.bf16)} + {trained_memory(adapters, largest, ds_config, world)}; "
+                  f"without LoRA: {trained_memory(total, largest, ds_config, world)}")
+            continue
         memory = trained_memory(total, largest, ds_config, world) if trained else frozen_memory(total, ds_config, world, cfg_model.bf16)
         print(f"  {name:<12} {total:>15,} parameters ({'trained' if trained else 'frozen'}): {memory}")
 
@@ -114,7 +117,9 @@ def sft_plan(cfg, train: list, validation: list, ds_config: dict[str, Any], worl
 def rm_plan(cfg, train: list, validation: list, ds_config: dict[str, Any], world: int) -> int:
     """The reward-model run: data, per-step micro-batch plan, parameters, memory."""
     print(f"dry run of train_rm.py ({world} rank(s)); nothing is trained or written")
-    print(f"train pairs:      {length_stats([e.num_tokens for e in train])} (chosen + rejected)")
+    shared = any(e.shared_prefix for e in train)
+    print(f"train pairs:      {length_stats([e.num_tokens for e in train])} (chosen + rejected"
+          + (f", the prompt once: {sum(e.shared_prefix for e in train) / sum(e.num_tokens for e in train):.0%} fewer tokens)" if shared else ")"))
     print(f"validation pairs: {length_stats([e.num_tokens for e in validation])}")
     per_step = cfg.train.pairs_per_step
     per_epoch, total = epoch_schedule(len(train), per_step, cfg.train.epochs, cfg.train.max_steps)
@@ -150,12 +155,17 @@ def ppo_plan(cfg, prompts: list, eval_prompts: list, tokenizer, ds_config: dict[
           f"{cfg.ppo.ppo_epochs * per_iteration // cfg.ppo.mini_batch_size} optimizer steps per iteration per trained model")
     components = None if cfg.critic.init_from == "reward_model" else ["value"]
     critic_path = cfg.reward_model.path if cfg.critic.init_from == "reward_model" else cfg.actor.path
-    critic = [("critic", critic_path, True, components, True)] if cfg.ppo.advantage_estimator == "gae" else []
+    critic = [("critic", critic_path, True, components, True, cfg.critic.lora)] if cfg.ppo.advantage_estimator == "gae" else []
+    reference = [] if cfg.actor.lora.rank else [("reference", cfg.actor.path, False, None, False)]
     print("models:")
-    print_models([("actor", cfg.actor.path, False, None, True), *critic, ("reference", cfg.actor.path, False, None, False),
+    print_models([("actor", cfg.actor.path, False, None, True, cfg.actor.lora), *critic, *reference,
                   ("reward model", cfg.reward_model.path, True, None, False)], ds_config, world, cfg.actor)
     if not critic:
         print(f"  critic       none: ppo.advantage_estimator {cfg.ppo.advantage_estimator} needs no value model")
+    if not reference:
+        total, _ = parameter_counts(cfg.actor.path, False, None, cfg.actor.trust_remote_code)
+        print(f"  reference    none: the actor with its LoRA adapters disabled (no copy: "
+              f"{frozen_memory(total, ds_config, world, cfg.actor.bf16)} saved)")
     if r.sampler == "vllm":
         print(f"  vLLM sampler: {vllm_memory(cfg, world)}")
     return 0

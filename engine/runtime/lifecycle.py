@@ -43,6 +43,7 @@ from engine.runtime.checkpoint import (
     describe_checkpoints,
     latest_checkpoint,
     load_checkpoint,
+    parameter_count,
     preflight_output_dir,
     rewind_to,
     save_checkpoint,
@@ -193,7 +194,7 @@ class RunLifecycle:
                 _remove(os.path.join(self.output_dir, name))
         trained = checkpoint_bytes([e.module for e in engines.values()])
         try:  # room for keep_last + 1 checkpoints (a new one is written before the oldest goes) and the export
-            preflight_output_dir(self.output_dir, (self.keep_last + 1) * trained + checkpoint_bytes([export_engine.module]) // 4)
+            preflight_output_dir(self.output_dir, (self.keep_last + 1) * trained + 4 * parameter_count([export_engine.module]))
         except OutputDirError as e:
             raise RunRefused("output", str(e)) from None
         torch.distributed.barrier()  # rank 0 made room before anyone writes

@@ -65,6 +65,17 @@ def load_value_model(
     )
 
 
+def meta_model(path: str, value_head: bool, components: Sequence[str] | None = None, trust_remote_code: bool = False) -> PreTrainedModel:
+    """The model a script would load from ``path`` (causal LM, or value model with ``value_head``),
+    built on the meta device: its shapes without its weights."""
+    if value_head:
+        config, auto = value_model_config(path, components, trust_remote_code), AutoModelForTokenClassification
+    else:
+        config, auto = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), AutoModelForCausalLM
+    with torch.device("meta"):
+        return auto.from_config(config, trust_remote_code=trust_remote_code)
+
+
 def value_model_config(path: str, components: Sequence[str] | None = None, trust_remote_code: bool = False):
     """The checkpoint's config with a ``len(components)``-way per-token head (see load_value_model)."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)

