@@ -76,6 +76,13 @@ def launch(script: str, config: Path, *extra: str, ranks: int = 1, env: dict[str
     return run_launched([*launcher_cmd(ranks), str(REPO / "train" / script), "--config", str(config), *extra], ranks, env, check)
 
 
+def run_script(script: str, config: Path, *extra: str) -> subprocess.CompletedProcess:
+    """``python train/<script> --config config extra...`` without the launcher (one rank), for runs
+    that are refused before training: the launcher's start-up costs ~5 s."""
+    return subprocess.run([sys.executable, str(REPO / "train" / script), "--config", str(config), *extra], capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+
+
 def faults(**spec) -> dict[str, str]:
     """The environment that injects faults (engine/runtime/faults.py)."""
     return {"RLHF_FAULTS": json.dumps(spec)}

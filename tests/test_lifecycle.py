@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import launch, metric_series, read_events
+from helpers import launch, metric_series, read_events, run_script
 
 from engine.config import DS_CONFIGS_DIR
 from engine.runtime.guards import RollbackGuard, Stateful
@@ -171,12 +171,12 @@ def finished_run(rm_run, tmp_path) -> tuple[Path, Path]:
 def test_a_fresh_run_into_a_finished_run_is_refused_and_changes_nothing(finished_run):
     run, config = finished_run
     before = snapshot(run)
-    refused = launch("train_rm.py", config, check=False)
+    refused = run_script("train_rm.py", config)
     assert refused.returncode != 0
     assert f"output error: {run} already holds a run (metrics.jsonl" in refused.stderr
     assert "Continue it with --resume, replace it with --overwrite" in refused.stderr
     assert snapshot(run) == before
-    both = launch("train_rm.py", config, "--resume", "--overwrite", check=False)
+    both = run_script("train_rm.py", config, "--resume", "--overwrite")
     assert both.returncode != 0 and "not allowed with argument" in both.stderr
 
 
@@ -185,13 +185,13 @@ def test_resume_without_a_usable_checkpoint_is_refused_and_changes_nothing(finis
     for shard in (run / "checkpoints").rglob("*.pt"):  # every checkpoint damaged
         shard.write_bytes(shard.read_bytes()[:-10])
     before = snapshot(run)
-    refused = launch("train_rm.py", config, "--resume", check=False)
+    refused = run_script("train_rm.py", config, "--resume")
     assert refused.returncode != 0
     assert f"resume error: nothing to resume: 2 checkpoint(s) in {run}/checkpoints, all damaged" in refused.stderr
     assert snapshot(run) == before
     shutil.rmtree(run / "checkpoints")
     before = snapshot(run)
-    refused = launch("train_rm.py", config, "--resume", check=False)
+    refused = run_script("train_rm.py", config, "--resume")
     assert f"resume error: nothing to resume: no checkpoint in {run}/checkpoints" in refused.stderr
     assert "with --overwrite (this replaces the run there)" in refused.stderr
     assert snapshot(run) == before

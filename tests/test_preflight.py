@@ -9,7 +9,7 @@ import shutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import launch, write_ppo_config
+from helpers import run_script, write_ppo_config
 from transformers import AutoTokenizer
 
 from engine.data.chat import prompt_ids
@@ -101,7 +101,7 @@ def test_what_does_not_fit_the_context_is_dropped_and_counted(tiny_model_dir, rm
 
 def test_ppo_refuses_a_base_model_as_reward_model_before_loading_models(tiny_model_dir, rm_data, tmp_path):
     config = write_ppo_config(tmp_path / "ppo.json", tiny_model_dir, tiny_model_dir, rm_data, tmp_path / "run")
-    refused = launch("train_ppo.py", config, check=False)
+    refused = run_script("train_ppo.py", config)
     assert refused.returncode != 0
     assert f"model error: 'reward_model.path' ({tiny_model_dir}) is not a reward model" in refused.stderr
     assert "Traceback" not in refused.stderr and not (tmp_path / "run").exists()
