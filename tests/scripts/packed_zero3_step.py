@@ -11,18 +11,15 @@ items each rank trained on.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
-import deepspeed
 import torch
-from transformers.integrations import HfDeepSpeedConfig
+from sgd_engine import full_weights, launched_args, sgd_engine
 
-from engine.config import DS_CONFIGS_DIR
 from engine.data.batching import plan_global, token_mean_scale
 from engine.data.packing import next_token_logprobs, pack_sequences, packed_forward
-from engine.runtime.distributed import init_distributed, shutdown_distributed
+from engine.runtime.distributed import shutdown_distributed
 from engine.runtime.models import load_causal_lm
 
 # (sequence lengths, max_tokens): mixed lengths; and one where a rank gets an empty micro-batch.
@@ -34,27 +31,10 @@ def make_sequences(lengths, vocab, seed):
     return [torch.randint(4, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def full_weights(engine) -> dict[str, torch.Tensor]:
-    params = dict(engine.module.named_parameters())
-    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
-        return {name: p.detach().clone() for name, p in params.items()}
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("model")
-    parser.add_argument("out")
-    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
-    args = parser.parse_args()
-    rank, world = init_distributed(timeout_s=120)
-    with open(os.path.join(DS_CONFIGS_DIR, "tiny_cpu_zero3.json")) as f:
-        ds_config = json.load(f)
-    ds_config["gradient_clipping"] = 0.0  # (deepspeed 0.19 clips at 1.0 when the key is absent)
-    ds_config["managed_gradient_accumulation"] = False  # step() is the boundary, whatever the micro-step count
-    ds_config["zero_allow_untested_optimizer"] = True  # plain SGD: before - after == lr * gradient
-    keep_alive = HfDeepSpeedConfig(ds_config)
-    model = load_causal_lm(args.model)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), config=ds_config)
+    args, rank, world = launched_args("model", "out")
+    engine, keep_alive = sgd_engine(lambda: load_causal_lm(args.model))
+    model = engine.module
 
     report = []
     for k, (lengths, max_tokens) in enumerate(CASES):

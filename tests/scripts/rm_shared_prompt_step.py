@@ -12,44 +12,28 @@ largest update, and the tokens each packing computed.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 
-import deepspeed
 import torch
+from sgd_engine import full_weights, launched_args, sgd_engine
 from transformers import AutoTokenizer
-from transformers.integrations import HfDeepSpeedConfig
 
-from engine.config import DS_CONFIGS_DIR
 from engine.data.batching import plan_global, token_mean_scale
 from engine.data.packing import dummy_forward_loss
 from engine.data.preferences import collate_pairs, load_preferences
 from engine.rm.losses import pair_losses
 from engine.rm.reward_model import score_pairs
-from engine.runtime.distributed import init_distributed, shutdown_distributed
+from engine.runtime.distributed import shutdown_distributed
 from engine.runtime.models import load_value_model
 
 COMPONENTS = ["helpful", "harmless"]
 WEIGHTS = torch.tensor([1.0, 1.0])
 
 
-def full_weights(engine) -> dict[str, torch.Tensor]:
-    params = dict(engine.module.named_parameters())
-    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
-        return {name: p.detach().clone() for name, p in params.items()}
-
-
 def step(model_dir: str, examples, stage: int, rank: int, world: int, max_tokens: int):
     """(weights before, weights after one SGD step), from fresh weights."""
-    with open(os.path.join(DS_CONFIGS_DIR, "tiny_cpu_zero3.json")) as f:
-        ds_config = json.load(f)
-    ds_config["zero_optimization"] = {"stage": stage}
-    ds_config |= {"gradient_clipping": 0.0, "managed_gradient_accumulation": False, "zero_allow_untested_optimizer": True}
-    keep_alive = HfDeepSpeedConfig(ds_config) if stage == 3 else None
-    torch.manual_seed(0)
-    model = load_value_model(model_dir, COMPONENTS)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), config=ds_config)
+    torch.manual_seed(0)  # the same new head
+    engine, keep_alive = sgd_engine(lambda: load_value_model(model_dir, COMPONENTS), stage)
     before = full_weights(engine)
     for micro in plan_global([e.num_tokens for e in examples], max_tokens, world)[rank]:
         if not micro:
@@ -66,12 +50,7 @@ def step(model_dir: str, examples, stage: int, rank: int, world: int, max_tokens
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("model")
-    parser.add_argument("pairs")
-    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
-    args = parser.parse_args()
-    rank, world = init_distributed(timeout_s=120)
+    args, rank, world = launched_args("model", "pairs")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     plain, shared = (load_preferences(args.pairs, tokenizer, COMPONENTS, use_margin=False, share_prompt=s)[:24] for s in (False, True))
     report = {"world": world, "tokens": {"plain": sum(e.num_tokens for e in plain), "shared": sum(e.num_tokens for e in shared)}}
