@@ -5,10 +5,10 @@
 Recipe: config -> process group -> prompts -> output-directory checks -> four models as
 DeepSpeed engines in one group (actor and critic trained, reference and reward model frozen; no
 critic with a critic-free ``ppo.advantage_estimator``; with LoRA only adapters train and the
-reference is the actor with its adapters off) -> sampler (vLLM, built after the engines) -> start or resume the run -> held-out evaluation of
-the start -> loop: generate -> make experience (log-probs, values, scores, KL, GAE) -> PPO epochs
-over mini-batches -> sync the actor into vLLM -> log / evaluate (roll back on a drop) /
-checkpoint -> HF export -> report.
+reference is the actor with its adapters off) -> sampler (vLLM, built after the engines) ->
+start or resume the run -> held-out evaluation of the start -> loop: generate -> make experience
+(log-probs, values, scores, KL, GAE) -> PPO epochs over mini-batches -> sync the actor into vLLM
+-> log / evaluate (roll back on a drop) / checkpoint -> HF export -> report.
 """
 
 from __future__ import annotations
