@@ -1,8 +1,8 @@
 """The model math of one PPO iteration alone: plain transformers models, no DeepSpeed, no sampling.
 
-    python bench/model_math.py --actor DIR --reward DIR --prompts PARQUET [--batches 4]
+    python bench/model_math.py --actor DIR --reward DIR --prompts PARQUET [--batches 4] [--samples-per-prompt K]
 
-For batches of 16 prompts (their real token counts) with 64 response tokens each, times what
+For batches of 16 prompts (their real token counts) with K responses of 64 tokens each, times what
 any PPO trainer must compute per iteration: the experience forwards (actor and reference
 log-probs, critic values, reward) and one optimizer step each for actor and critic (forward,
 backward, AdamW), with the same packed layout and response-only LM head that train_ppo.py uses.
@@ -43,6 +43,7 @@ def main() -> int:
     parser.add_argument("--reward", required=True)
     parser.add_argument("--prompts", required=True)
     parser.add_argument("--batches", type=int, default=4)
+    parser.add_argument("--samples-per-prompt", type=int, default=1)
     args = parser.parse_args()
     torch.manual_seed(0)
     actor, ref = load_causal_lm(args.actor), load_causal_lm(args.actor)
@@ -65,7 +66,7 @@ def main() -> int:
 
     times: dict[str, list[float]] = {"experience_s": [], "train_s": []}
     for b in range(args.batches + 1):  # batch 0 warms up
-        prompt_lens = lengths[b * PROMPTS_PER_ITERATION : (b + 1) * PROMPTS_PER_ITERATION]
+        prompt_lens = [n for n in lengths[b * PROMPTS_PER_ITERATION : (b + 1) * PROMPTS_PER_ITERATION] for _ in range(args.samples_per_prompt)]
         packed = pack_sequences([torch.randint(4, vocab, (p + NEW_TOKENS,)).tolist() for p in prompt_lens])
         for key, fn in (("experience_s", experience), ("train_s", train)):
             seconds = timed(fn, packed, prompt_lens)

@@ -31,13 +31,14 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--prompts-per-iteration", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--samples-per-prompt", type=int, default=1, help="each prompt this many times in a row (TRL samples one response per row)")
     args = parser.parse_args()
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(args.actor)
     prompts = pq.read_table(args.prompts).column("prompt").to_pylist()[: args.iterations * args.prompts_per_iteration]
-    dataset = Dataset.from_dict(
-        {"input_ids": [tok.apply_chat_template(p, add_generation_prompt=True, return_dict=False) for p in prompts]}
-    )
+    rows = [tok.apply_chat_template(p, add_generation_prompt=True, return_dict=False) for p in prompts for _ in range(args.samples_per_prompt)]
+    dataset = Dataset.from_dict({"input_ids": rows})
+    per_iteration = args.prompts_per_iteration * args.samples_per_prompt
     policy, ref = (AutoModelForCausalLM.from_pretrained(args.actor) for _ in range(2))
     # Single-output heads on the reward model's backbone (the head shapes differ, the cost does not).
     reward, value = (
@@ -47,12 +48,12 @@ def main() -> None:
         m.config.pad_token_id = tok.pad_token_id
     config = PPOConfig(
         output_dir=args.out,
-        per_device_train_batch_size=args.prompts_per_iteration,
+        per_device_train_batch_size=per_iteration,
         gradient_accumulation_steps=1,
         num_mini_batches=1,
         num_ppo_epochs=1,
-        total_episodes=args.iterations * args.prompts_per_iteration,
-        local_rollout_forward_batch_size=args.prompts_per_iteration,
+        total_episodes=args.iterations * per_iteration,
+        local_rollout_forward_batch_size=per_iteration,
         response_length=args.new_tokens,
         stop_token="eos",
         temperature=1.0,
