@@ -161,7 +161,9 @@ def ppo_plan(cfg, prompts: list, eval_prompts: list, tokenizer, ds_config: dict[
     print_models([("actor", cfg.actor.path, False, None, True, cfg.actor.lora), *critic, *reference,
                   ("reward model", cfg.reward_model.path, True, None, False)], ds_config, world, cfg.actor)
     if not critic:
-        print(f"  critic       none: ppo.advantage_estimator {cfg.ppo.advantage_estimator} needs no value model")
+        total, largest = parameter_counts(critic_path, True, components, cfg.actor.trust_remote_code)
+        print(f"  critic       none: ppo.advantage_estimator {cfg.ppo.advantage_estimator} needs no value model "
+              f"(saves {trained_memory(total, largest, ds_config, world)})")
     if not reference:
         total, _ = parameter_counts(cfg.actor.path, False, None, cfg.actor.trust_remote_code)
         print(f"  reference    none: the actor with its LoRA adapters disabled (no copy: "
