@@ -33,6 +33,7 @@ Outputs come back unpacked: per-token values as one tensor per sequence, per-seq
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -183,8 +184,7 @@ def pack_shared(segments: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]
 
 def branch_ends(packed: PackedBatch) -> torch.Tensor:
     """(N,) row position of the last token of every branch (:func:`pack_shared`), segment by segment."""
-    ends = [s + n - sum(b) + e - 1 for s, n, b in zip(packed.starts, packed.seq_lens, packed.branches or ())
-            for e in torch.tensor(b).cumsum(0).tolist()]
+    ends = [s + n - sum(b) + e - 1 for s, n, b in zip(packed.starts, packed.seq_lens, packed.branches or ()) for e in itertools.accumulate(b)]
     return torch.tensor(ends, dtype=torch.long)
 
 
