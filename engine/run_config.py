@@ -273,6 +273,10 @@ class PPOSection:
         "iteration; checked against the actor every sampler_check_every iterations, back to the actor for good when the gap is "
         "above sampler_logprob_tolerance)"
     )
+    share_prompt: bool = option(
+        True, "compute a prompt once for all its samples (samples_per_prompt) in the experience and training forwards (exact; "
+        "used with attention sdpa_varlen, the default on CPUs and on GPUs without flash-attn)"
+    )
     tis_cap: float | None = option(
         None, "truncated importance sampling: weight each token's policy loss by min(pi_actor / pi_sampler, tis_cap), for a "
         "sampler whose numerics differ from the trainer's (bf16, GPU kernels); e.g. 2.0 (None: off)", ge=1

@@ -14,6 +14,7 @@ from engine.data.batching import (
     first_fit_decreasing,
     plan_global,
     plan_micro_batches,
+    prompt_groups,
     split_across_ranks,
     token_mean_scale,
 )
@@ -99,3 +100,14 @@ def test_rank_shares_are_balanced(lengths, world):
     share_loads = loads(shares, lengths)
     # LPT: the spread between ranks is at most the longest item.
     assert max(share_loads) - min(share_loads) <= max(lengths)
+
+
+def test_prompt_groups_share_equal_prompts_and_split_to_fit():
+    a, b = [1, 2, 3], [7, 8]
+    sequences = [a + [4, 5], b + [9], a + [6], a + [4], [1, 2] + [3, 3]]  # the last: another prompt, [1, 2]
+    groups = prompt_groups(sequences, [3, 2, 3, 3, 2], max_tokens=100)
+    assert groups == [(3, [0, 2, 3]), (2, [1]), (2, [4])]  # by first appearance, whatever the order
+    # a group over the budget splits, each part holding the prompt: 3 + 2 + 1 = 6 fits, + 1 would not
+    assert prompt_groups(sequences, [3, 2, 3, 3, 2], max_tokens=6) == [(3, [0, 2]), (3, [3]), (2, [1]), (2, [4])]
+    # every member keeps a token of its own: an empty response cuts the shared prompt
+    assert prompt_groups([a + [4], a], [3, 3], max_tokens=100) == [(2, [0, 1])]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -30,6 +31,7 @@ def test_ppo_dry_run_counts_four_models_and_writes_nothing(tiny_model_dir, rm_ru
     out = result.stdout
     assert "rollout: 16 prompts x 4 samples = 64 sequences per iteration" in out
     assert "2 optimizer steps per iteration per trained model" in out
+    assert re.search(r"1 \(each prompt once for its 4 samples: \d\d% fewer tokens\) per experience forward", out), out  # ppo.share_prompt
     for name, kind in (("actor", "trained): ZeRO-2"), ("critic", "trained): ZeRO-2"), ("reference", "frozen"), ("reward model", "frozen")):
         line = next(line for line in out.splitlines() if line.strip().startswith(name))
         assert kind in line, line

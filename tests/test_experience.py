@@ -6,7 +6,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from engine.ppo.experience import OldLogprobSource, make_experience
+from engine.data import packing
+from engine.data.packing import packed_forward
+from engine.ppo.experience import OldLogprobSource, make_experience, micro_batches, response_logprobs, response_values
 from engine.ppo.rewards import RewardScorer
 from engine.rollout.sampler import Sample
 from engine.runtime.models import load_causal_lm, load_value_model
@@ -29,6 +31,17 @@ def samples(vocab: int) -> list[Sample]:
     g = torch.Generator().manual_seed(0)
     ids = lambda n: torch.randint(4, vocab, (n,), generator=g).tolist()  # noqa: E731
     return [Sample(ids(p), ids(r), [0.0] * r, finished=True) for p, r in zip(PROMPT_LENS, RESPONSE_LENS)]
+
+
+def grouped_samples(vocab: int) -> list[Sample]:
+    """Three prompts with three samples each, contiguous as the sampler returns them."""
+    g = torch.Generator().manual_seed(1)
+    ids = lambda n: torch.randint(4, vocab, (n,), generator=g).tolist()  # noqa: E731
+    out = []
+    for p, responses in zip((7, 3, 12), ((5, 1, 8), (2, 6, 3), (4, 9, 1))):
+        prompt = ids(p)
+        out += [Sample(prompt, ids(r), [-1.0] * r, finished=True) for r in responses]
+    return out
 
 
 def test_make_experience_equals_naive_padded_forwards(process_group, models):
@@ -99,3 +112,63 @@ def test_old_logprob_source_checks_itself_and_turns_off_for_good():
     restored.load_state_dict(source.state_dict())
     assert not restored.use_sampler(1)
     assert not any(OldLogprobSource("actor", 3, 1e-4).use_sampler(i) for i in range(7))
+
+
+def test_shared_prompts_give_the_experience_of_whole_sequences(process_group, models, monkeypatch):
+    """Every forward of make_experience (actor, reference, critic, reward model) with each prompt
+    computed once for its samples equals the one over whole sequences."""
+    actor, critic, scorer, tokenizer = models
+    batch = grouped_samples(actor.config.vocab_size)
+    prompts = [[{"role": "user", "content": f"question {i // 3}"}] for i in range(len(batch))]
+    results = []
+    for share in (False, True):
+        monkeypatch.setattr(scorer, "share_prompts", share)
+        results.append(make_experience(batch, prompt_messages=prompts, actor=actor, critic=critic, ref=actor, scorer=scorer,
+                                       value_weights=torch.ones(1), tokenizer=tokenizer, max_tokens=24, kl_estimator="k1",
+                                       kl_coef=0.1, gamma=1.0, lam=0.95, whiten_advantages=True, share_prompts=share, tis_cap=2.0)[0])
+    whole, shared = results
+    for field in ("old_logprobs", "ref_logprobs", "old_values", "scores", "advantages", "returns", "is_weights"):
+        torch.testing.assert_close(getattr(shared, field), getattr(whole, field), atol=1e-5, rtol=0, msg=field)
+
+
+@pytest.mark.parametrize("per_branch_calls", [False, True])
+def test_shared_prompts_give_the_log_probs_values_and_gradients_of_whole_sequences(process_group, tiny_model_dir, per_branch_calls,
+                                                                                   monkeypatch):
+    """Training forwards: the prompt once per micro-batch (its group split where over the budget)
+    gives each response's log-probs, entropy and values, and the gradients, of whole sequences;
+    with short groups sharing masked attention calls, or a prompt call and one per response."""
+    if per_branch_calls:
+        for knob in ("SHORT_SEQUENCE_TOKENS", "SHORT_BLOCK_TOKENS"):  # every segment: calls per branch
+            monkeypatch.setattr(packing, knob, 0)
+    torch.manual_seed(0)
+    models = {"actor": load_causal_lm(str(tiny_model_dir)), "critic": load_value_model(str(tiny_model_dir), ["a", "b"])}
+    batch = grouped_samples(models["actor"].config.vocab_size)
+    sequences, prompt_lens = [s.prompt_ids + s.response_ids for s in batch], [len(s.prompt_ids) for s in batch]
+    weights = torch.rand(len(batch), 9, generator=torch.Generator().manual_seed(2))  # (B, max R) per-token loss weights
+    results, tokens = [], []
+    for share in (False, True):
+        got, n = {}, 0
+        for model in models.values():
+            model.zero_grad()
+        for indices, packed in micro_batches(sequences, prompt_lens, max_tokens=24, pad_token_id=0, share_prompts=share):
+            n += packed.num_tokens
+            lens = [prompt_lens[i] for i in indices]
+            logprobs, entropy = response_logprobs(models["actor"], packed, lens, with_entropy=True, entropy_grad=True)
+            values = response_values(packed_forward(models["critic"], packed), packed, lens, torch.tensor([1.0, -0.5]))
+            loss = 0.0
+            for i, lp, h, v in zip(indices, logprobs, entropy, values):
+                got[i] = (lp.detach(), h.detach(), v.detach())
+                loss = loss + (weights[i, : len(lp)] * (lp + 0.1 * h + v**2)).sum()
+            loss.backward()
+        grads = {f"{m}.{n}": p.grad.clone() for m, model in models.items() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((got, grads))
+        tokens.append(n)
+    (want, want_g), (have, have_g) = results
+    assert tokens == [105, 73]  # each prompt once per micro-batch (the 12-token one twice: its group split), not once per sample
+    for i, s in enumerate(batch):
+        for w, h in zip(want[i], have[i]):
+            assert len(h) == len(s.response_ids)
+            torch.testing.assert_close(h, w, atol=1e-5, rtol=0)
+    assert want_g.keys() == have_g.keys()
+    for name in want_g:
+        torch.testing.assert_close(have_g[name], want_g[name], atol=1e-5, rtol=1e-5, msg=name)

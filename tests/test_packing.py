@@ -249,11 +249,26 @@ def test_tree_causal_lets_a_branch_see_its_prompt_and_itself_only():
     assert torch.equal(packing.block_causal((2, 3)), packing.tree_causal(((2, ()), (3, ()))))
 
 
-@pytest.mark.parametrize("short_tokens, block_tokens", [(0, 0), (256, 256)])
+def test_long_shared_prompt_segments_run_a_call_per_branch(monkeypatch):
+    """Past SHORT_BLOCK_TOKENS a segment runs as a prompt call plus one call per branch, with the
+    output of the segment's tree mask."""
+    original, calls = packing.branch_attention, []
+    monkeypatch.setattr(packing, "branch_attention", lambda *a, **kw: calls.append(a[3:5]) or original(*a, **kw))
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 305, 8) for _ in range(3))  # (1, H, T, D)
+    bounds = torch.tensor([0, 270, 305], dtype=torch.int32)  # 100 + 90 + 80: per-branch calls; 20 + 10 + 5: a masked call
+    got, _ = packing.varlen_sdpa_attention(torch.nn.Module(), q, k, v, None, cu_seq_lens_q=bounds, packed_branches=((90, 80), (10, 5)))
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=packing.tree_causal(((100, (90, 80)), (20, (10, 5))))).transpose(1, 2)
+    assert calls == [(100, (90, 80))]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("short_tokens, block_tokens", [(0, 256), (0, 0), (256, 256)])
 def test_shared_prompt_rows_give_the_rewards_and_gradients_of_separate_sequences(tiny_model_dir, short_tokens, block_tokens,
                                                                                  monkeypatch):
-    """Pairs packed as prompt once + chosen + rejected (one call per pair, or all in one call)
-    score and backpropagate like each conversation packed whole."""
+    """Pairs packed as prompt once + chosen + rejected (one call per pair with a tree mask, or a
+    prompt call and one per branch, or all in one call) score and backpropagate like each
+    conversation packed whole."""
     monkeypatch.setattr(packing, "SHORT_SEQUENCE_TOKENS", short_tokens)
     monkeypatch.setattr(packing, "SHORT_BLOCK_TOKENS", block_tokens)
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
 """Two ranks, real ZeRO-3: equal micro-step counts, every item once, padded-batch gradients; and
-the reward model's shared-prompt packing against whole sequences under ZeRO-2 and ZeRO-3."""
+shared-prompt packing (reward-model pairs, PPO groups) against whole sequences under ZeRO-2 and ZeRO-3."""
 
 from __future__ import annotations
 
@@ -58,8 +58,9 @@ def test_zero3_packed_step_equals_padded_full_batch_gradient(two_rank_run, tiny_
         torch.testing.assert_close(sgd_delta, p.grad, atol=1e-5, rtol=0, msg=name)
 
 
-def test_shared_prompt_pairs_give_the_whole_sequence_gradient_on_two_ranks_under_zero2_and_zero3(tiny_model_dir, rm_data):
-    cmd = [*launcher_cmd(2), str(REPO / "tests" / "scripts" / "rm_shared_prompt_step.py"), str(tiny_model_dir),
+def test_shared_prompts_give_the_whole_sequence_gradient_on_two_ranks_under_zero2_and_zero3(tiny_model_dir, rm_data):
+    """Reward-model pairs and PPO groups (actor and critic steps, experience log-probs)."""
+    cmd = [*launcher_cmd(2), str(REPO / "tests" / "scripts" / "shared_prompt_steps.py"), str(tiny_model_dir),
            str(rm_data / "validation.parquet")]
     (line,) = [l for l in run_launched(cmd, ranks=2).stdout.splitlines() if l.startswith("{")]
     report = json.loads(line)
@@ -67,3 +68,7 @@ def test_shared_prompt_pairs_give_the_whole_sequence_gradient_on_two_ranks_under
     for stage in ("zero2", "zero3"):
         assert report[stage]["update"] > 1e-2, report  # the step moved the weights
         assert report[stage]["weight_diff"] < 1e-5, report  # by the same gradient
+        ppo = report[f"ppo_{stage}"]
+        assert ppo["tokens"]["shared"] < 0.8 * ppo["tokens"]["plain"] and ppo["logprob_gap"] < 1e-5, report
+        for model in ("actor", "critic"):
+            assert ppo[model]["update"] > 1e-3 and ppo[model]["weight_diff"] < 1e-6, report

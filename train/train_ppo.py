@@ -203,7 +203,7 @@ def main() -> int:
     engines = build_hybrid_engine(cfg, ds_config)
     scorer = RewardScorer(engines.reward_model, rm_tokenizer, cfg.reward_model.path,
                           cfg.reward_model.normalize, cfg.reward_model.clip, cfg.reward_model.rules, cfg.reward_model.no_eos_penalty,
-                          cfg.ppo.max_tokens_per_micro_batch)
+                          cfg.ppo.max_tokens_per_micro_batch, cfg.ppo.share_prompt)
     sampler = build_sampler(cfg, engines.actor, tokenizer, rank)
     value_weights = scorer.weights if cfg.critic.init_from == "reward_model" else torch.ones(1)
     kl_ctl = (AdaptiveKLController(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon)
@@ -228,7 +228,7 @@ def main() -> int:
               + (f", resumed at iteration {run.step} from {run.resume_from}" if run.resume_from else ""))
     sampling = SamplingSettings(cfg.rollout.samples_per_prompt, cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens)
     evaluator = HeldOutEvaluator(eval_prompts, tokenizer, scorer, sampling, cfg.ppo.max_tokens_per_micro_batch,
-                                 cfg.monitors.ngram) if eval_prompts else None
+                                 cfg.monitors.ngram, cfg.ppo.share_prompt) if eval_prompts else None
     evaluate = partial(held_out_eval, evaluator, sampler, engines, monitor, run, cfg.monitors.sample_rows)
     settings = PolicyLossSettings(
         clip_low=cfg.ppo.clip_ratio, clip_high=cfg.ppo.clip_ratio_high or cfg.ppo.clip_ratio, clip_ratio_c=cfg.ppo.clip_ratio_c,
@@ -237,10 +237,11 @@ def main() -> int:
     experience_kw = dict(actor=engines.actor, critic=engines.critic, ref=engines.ref, scorer=scorer, value_weights=value_weights,
                          tokenizer=tokenizer, max_tokens=cfg.ppo.max_tokens_per_micro_batch, kl_estimator=cfg.ppo.kl_estimator,
                          gamma=cfg.ppo.gamma, lam=cfg.ppo.lam, whiten_advantages=cfg.ppo.whiten_advantages,
-                         advantage_estimator=cfg.ppo.advantage_estimator, group_size=cfg.rollout.samples_per_prompt, tis_cap=cfg.ppo.tis_cap)
+                         advantage_estimator=cfg.ppo.advantage_estimator, group_size=cfg.rollout.samples_per_prompt, tis_cap=cfg.ppo.tis_cap,
+                         share_prompts=cfg.ppo.share_prompt)
     update_kw = dict(settings=settings, value_weights=value_weights, value_clip=cfg.ppo.value_clip, ppo_epochs=cfg.ppo.ppo_epochs,
                      mini_batch_size=cfg.ppo.mini_batch_size, max_tokens=cfg.ppo.max_tokens_per_micro_batch,
-                     pad_id=tokenizer.pad_token_id)
+                     pad_id=tokenizer.pad_token_id, share_prompts=cfg.ppo.share_prompt)
     per_rank, metrics = cfg.rollout.prompts_per_iteration // world, {}
     try:
         if evaluator:

@@ -122,6 +122,37 @@ def plan_global(lengths: Sequence[int], max_tokens: int, world_size: int) -> lis
     return plan
 
 
+def prompt_groups(sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], max_tokens: int) -> list[tuple[int, list[int]]]:
+    """Sequences that start with the same prompt, to pack it once (engine/data/packing.pack_shared):
+    ``(shared length, indices)`` per group, in order of first appearance.
+
+    The shared length is the prompt's, cut so that every member keeps a token of its own; a
+    group whose prompt plus continuations exceed ``max_tokens`` is split into several that fit
+    (each holding the prompt); :func:`group_tokens` counts what a group packs.
+    """
+    check_fits([len(s) for s in sequences], max_tokens, "sequence")
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for i, (seq, p) in enumerate(zip(sequences, prompt_lens)):
+        by_prompt.setdefault(tuple(seq[:p]), []).append(i)
+    groups = []
+    for members in by_prompt.values():
+        shared = min(prompt_lens[members[0]], *(len(sequences[i]) - 1 for i in members))
+        part, load = [], shared
+        for i in members:
+            if part and load + len(sequences[i]) - shared > max_tokens:
+                groups.append((shared, part))
+                part, load = [], shared
+            part.append(i)
+            load += len(sequences[i]) - shared
+        groups.append((shared, part))
+    return groups
+
+
+def group_tokens(sequences: Sequence[Sequence[int]], groups: Sequence[tuple[int, Sequence[int]]]) -> list[int]:
+    """Tokens each :func:`prompt_groups` group takes in a packed row: its prompt once, then every member's rest."""
+    return [shared + sum(len(sequences[i]) - shared for i in members) for shared, members in groups]
+
+
 def token_mean_scale(global_count: int, world_size: int) -> float:
     """Factor that turns a micro-batch's *summed* loss into its share of the global mean.
 

@@ -47,12 +47,12 @@ class HeldOutEvaluator:
     """This rank's share of the held-out prompts, and the reference's responses to them."""
 
     def __init__(self, prompts: Sequence[list[dict[str, str]]], tokenizer, scorer: RewardScorer, settings: SamplingSettings,
-                 max_tokens: int, ngram: int):
+                 max_tokens: int, ngram: int, share_prompts: bool = True):
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.rank, self.messages = rank, list(prompts[rank::world])
         self.ids = [prompt_ids(tokenizer, m) for m in self.messages]
         self.tokenizer, self.scorer, self.settings = tokenizer, scorer, settings
-        self.max_tokens, self.ngram = max_tokens, ngram
+        self.max_tokens, self.ngram, self.share_prompts = max_tokens, ngram, share_prompts
         self.reference: Responses | None = None
 
     def respond(self, sampler, temperature: float, seed: int) -> Responses:
@@ -71,7 +71,7 @@ class HeldOutEvaluator:
         """(n,) KL(policy || reference) of each response, summed over its tokens (k1 estimate)."""
         sequences = [s.prompt_ids + s.response_ids for s in samples]
         lens = [len(s.prompt_ids) for s in samples]
-        logprobs = lambda model: sequence_logprobs(model, sequences, lens, self.max_tokens, self.tokenizer.pad_token_id)
+        logprobs = lambda model: sequence_logprobs(model, sequences, lens, self.max_tokens, self.tokenizer.pad_token_id, self.share_prompts)
         return torch.stack([(a - r).sum() for a, r in zip(logprobs(actor), logprobs(ref))]).double()
 
     def evaluate(self, sampler, actor, ref, sample_rows: int) -> tuple[dict[str, float], list[dict[str, Any]]]:

@@ -8,12 +8,12 @@ micro-batches whose count every rank agrees on (ZeRO-3 forwards are collectives)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 
-from engine.data.batching import plan_micro_batches
-from engine.data.packing import PackedBatch, pack_sequences, packed_forward, target_logprobs, unpack
+from engine.data.batching import group_tokens, plan_micro_batches, prompt_groups
+from engine.data.packing import PackedBatch, pack_groups, pack_sequences, packed_forward, runs_shared_prompts, sequence_rows, target_logprobs
 from engine.ppo.losses import (
     AdvantageEstimator,
     entropy_from_logits,
@@ -35,28 +35,49 @@ def packed_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[i
     return plan_micro_batches(lengths, max_tokens, num_micro_batches=count)
 
 
+def micro_batches(
+    sequences: Sequence[list[int]], prompt_lens: Sequence[int], max_tokens: int, pad_token_id: int, share_prompts: bool
+) -> Iterator[tuple[list[int], PackedBatch]]:
+    """This rank's packed micro-batches of ``sequences`` (prompt + response): ``(indices, packed)``
+    each, the indices in packing order; as many as the busiest rank needs (a dummy one packs a
+    padding token and no indices). ``share_prompts``: the sequences of a prompt pack it once
+    (:func:`engine.data.batching.prompt_groups`), and the token budget counts it once."""
+    groups = prompt_groups(sequences, prompt_lens, max_tokens) if share_prompts else [(0, [i]) for i in range(len(sequences))]
+    for micro in packed_micro_batches(group_tokens(sequences, groups), max_tokens):
+        chosen = [groups[j] for j in micro]
+        indices = [i for _, members in chosen for i in members]
+        yield indices, (pack_groups(sequences, chosen, pad_token_id) if share_prompts
+                        else pack_sequences([sequences[i] for i in indices], pad_token_id))
+
+
 def map_micro_batches(
     sequences: Sequence[list[int]],
+    prompt_lens: Sequence[int],
     max_tokens: int,
     pad_token_id: int,
+    share_prompts: bool,
     fn: Callable[[PackedBatch, list[int]], list[torch.Tensor]],
 ) -> list[torch.Tensor]:
     """Apply ``fn(packed, indices)`` (a forward returning one tensor per packed sequence) over
-    ``sequences`` in packed micro-batches; dummy micro-batches run a one-token forward through
+    ``sequences`` in :func:`micro_batches`; dummy micro-batches run a one-token forward through
     ``fn`` too. Results come back in input order."""
     results: list[torch.Tensor | None] = [None] * len(sequences)
-    for micro in packed_micro_batches([len(s) for s in sequences], max_tokens):
-        packed = pack_sequences([sequences[i] for i in micro], pad_token_id)
-        for i, value in zip(micro, fn(packed, micro)):
+    for indices, packed in micro_batches(sequences, prompt_lens, max_tokens, pad_token_id, share_prompts):
+        for i, value in zip(indices, fn(packed, indices)):
             results[i] = value
     return results  # type: ignore[return-value]
 
 
-def response_positions(packed: PackedBatch, prompt_lens: Sequence[int]) -> torch.Tensor:
-    """(K,) row positions whose next-token prediction is a response token: P-1 .. L-2 per sequence."""
-    if not packed.seq_lens:
-        return torch.zeros(0, dtype=torch.long)
-    return torch.cat([torch.arange(s + p - 1, s + n - 1) for s, n, p in zip(packed.starts, packed.seq_lens, prompt_lens)])
+def response_positions(packed: PackedBatch, prompt_lens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Where each packed sequence's response is predicted: row positions (K,) whose next-token
+    prediction is a response token (the state before it; prompt length P: sequence positions
+    P-1 .. L-2), the rows of those tokens (K,), and each sequence's response length. With shared
+    prompts the prompt's last position predicts the first token of every branch."""
+    rows = sequence_rows(packed)
+    if not rows:
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), []
+    return (torch.cat([r[p - 1 : -1] for r, p in zip(rows, prompt_lens)]), torch.cat([r[p:] for r, p in zip(rows, prompt_lens)]),
+            [len(r) - p for r, p in zip(rows, prompt_lens)])
 
 
 def response_logprobs(
@@ -66,26 +87,29 @@ def response_logprobs(
 
     The LM head runs on the response-predicting positions only; log p is computed in float32
     on the model's device (:func:`engine.data.packing.target_logprobs`). The results come back on
-    the CPU (differentiably: a loss built from them backpropagates into the model). The
-    entropy is detached unless ``entropy_grad`` (an entropy bonus): as a metric only, its
-    backward would cost ~10% of the actor's forward + backward.
+    the CPU (differentiably: a loss built from them backpropagates into the model, through the
+    shared prompt positions once per branch). The entropy is detached unless ``entropy_grad``
+    (an entropy bonus): as a metric only, its backward would cost ~10% of the actor's forward +
+    backward.
     """
-    positions = response_positions(packed, prompt_lens)
+    positions, targets, lengths = response_positions(packed, prompt_lens)
     logits = packed_forward(model, packed, logits_positions=positions)[0]  # (K, V), model's device
-    logprobs = target_logprobs(logits, packed.input_ids[0, positions + 1])  # (K,)
-    lengths = [n - p for n, p in zip(packed.seq_lens, prompt_lens)]
+    logprobs = target_logprobs(logits, packed.input_ids[0, targets])  # (K,)
     entropy = None
     if with_entropy:
         entropy = list(entropy_from_logits(logits if entropy_grad else logits.detach()).cpu().split(lengths))
     return list(logprobs.cpu().split(lengths)), entropy
 
 
-def sequence_logprobs(model, sequences: Sequence[list[int]], prompt_lens: Sequence[int], max_tokens: int, pad_token_id: int) -> list[torch.Tensor]:
+def sequence_logprobs(
+    model, sequences: Sequence[list[int]], prompt_lens: Sequence[int], max_tokens: int, pad_token_id: int, share_prompts: bool
+) -> list[torch.Tensor]:
     """Each sequence's response-token log-probs under ``model`` (one (R_i,) tensor each), computed
-    in packed micro-batches of at most ``max_tokens``."""
-    return map_micro_batches(
-        sequences, max_tokens, pad_token_id, lambda packed, idx: response_logprobs(model, packed, [prompt_lens[i] for i in idx])[0]
-    )
+    in packed micro-batches of at most ``max_tokens``, prompts shared where ``share_prompts`` and
+    the model's attention allows."""
+    share = share_prompts and runs_shared_prompts(model)
+    return map_micro_batches(sequences, prompt_lens, max_tokens, pad_token_id, share,
+                             lambda packed, idx: response_logprobs(model, packed, [prompt_lens[i] for i in idx])[0])
 
 
 def response_values(output: torch.Tensor, packed, prompt_lens: Sequence[int], weights: torch.Tensor) -> list[torch.Tensor]:
@@ -94,15 +118,20 @@ def response_values(output: torch.Tensor, packed, prompt_lens: Sequence[int], we
     A critic initialised from a decomposed reward model keeps its C outputs; the value is their
     weighted sum, so it starts as the reward model's total.
     """
-    return [(v[p - 1 : -1].float() * weights).sum(-1) for v, p in zip(unpack(output, packed), prompt_lens)]
+    positions, _, lengths = response_positions(packed, prompt_lens)
+    values = output[0, positions.to(output.device)].float().cpu()  # (K, C)
+    return list((values * weights).sum(-1).split(lengths))
 
 
 def sequence_values(
-    critic, sequences: Sequence[list[int]], prompt_lens: Sequence[int], weights: torch.Tensor, max_tokens: int, pad_token_id: int
+    critic, sequences: Sequence[list[int]], prompt_lens: Sequence[int], weights: torch.Tensor, max_tokens: int, pad_token_id: int,
+    share_prompts: bool,
 ) -> list[torch.Tensor]:
-    """Each sequence's critic values (one (R_i,) tensor each), in packed micro-batches of at most ``max_tokens``."""
+    """Each sequence's critic values (one (R_i,) tensor each), in packed micro-batches of at most
+    ``max_tokens``, prompts shared as in :func:`sequence_logprobs`."""
+    share = share_prompts and runs_shared_prompts(critic)
     return map_micro_batches(
-        sequences, max_tokens, pad_token_id,
+        sequences, prompt_lens, max_tokens, pad_token_id, share,
         lambda packed, idx: response_values(packed_forward(critic, packed), packed, [prompt_lens[i] for i in idx], weights),
     )
 
@@ -162,6 +191,7 @@ def make_experience(
     group_size: int = 1,
     old_logprobs_from_sampler: bool = False,
     tis_cap: float | None = None,
+    share_prompts: bool = True,
 ) -> tuple[Experience, dict[str, float]]:
     """Score and evaluate one rank's samples (``prompt_messages[i]`` is sample i's prompt).
 
@@ -173,6 +203,8 @@ def make_experience(
     the samples' own log-probs stand in for the actor's forward (:class:`OldLogprobSource`), and
     the sampler-actor gap is not measured. ``tis_cap``: weight each token's policy loss by
     :func:`engine.ppo.losses.truncated_is_weights` of the actor's over the sampler's log-probs.
+    ``share_prompts``: the samples of a prompt compute it once in each forward (where the
+    model's attention allows; the scorer decides for the reward model).
     Returns the experience and this rank's rollout statistics (means over its samples).
     """
     pad = tokenizer.pad_token_id
@@ -181,10 +213,11 @@ def make_experience(
     T = max(len(s.response_ids) for s in samples)
     mask = pad_right([torch.ones(len(s.response_ids), dtype=torch.bool) for s in samples], T)  # (B, T)
     sampler_logprobs = pad_right([torch.tensor(s.logprobs) for s in samples], T)  # (B, T)
+    forward = dict(max_tokens=max_tokens, pad_token_id=pad, share_prompts=share_prompts)
     old_logprobs = (sampler_logprobs if old_logprobs_from_sampler
-                    else pad_right(sequence_logprobs(actor, sequences, prompt_lens, max_tokens, pad), T))  # (B, T)
-    ref_logprobs = pad_right(sequence_logprobs(ref, sequences, prompt_lens, max_tokens, pad), T)  # (B, T)
-    values = (pad_right(sequence_values(critic, sequences, prompt_lens, value_weights, max_tokens, pad), T) if critic is not None
+                    else pad_right(sequence_logprobs(actor, sequences, prompt_lens, **forward), T))  # (B, T)
+    ref_logprobs = pad_right(sequence_logprobs(ref, sequences, prompt_lens, **forward), T)  # (B, T)
+    values = (pad_right(sequence_values(critic, sequences, prompt_lens, value_weights, **forward), T) if critic is not None
               else torch.zeros(len(samples), T))  # (B, T)
     texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
     scores, parts = scorer.score(prompt_messages, texts, [s.finished for s in samples])  # (B,)

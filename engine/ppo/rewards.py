@@ -11,7 +11,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine.data.chat import tokenize_pairs
-from engine.data.packing import last_token, packed_forward
+from engine.data.packing import last_token, packed_forward, runs_shared_prompts
 from engine.ppo.experience import map_micro_batches
 
 Rule = Callable[[list[dict[str, str]], str], float]
@@ -38,6 +38,7 @@ class RewardScorer:
         rules: dict[str, float],
         no_eos_penalty: float,
         max_tokens: int,
+        share_prompts: bool = True,
     ):
         self.model, self.tokenizer = reward_model, tokenizer
         hf = getattr(reward_model, "module", reward_model)
@@ -50,6 +51,7 @@ class RewardScorer:
         self.weights = torch.tensor([weights[c] for c in self.components])
         self.mean, self.std = (stats["mean"], stats["std"]) if normalize else (0.0, 1.0)
         self.clip, self.no_eos_penalty, self.max_tokens = clip, no_eos_penalty, max_tokens
+        self.share_prompts = share_prompts and runs_shared_prompts(reward_model)  # a prompt's responses read it once
         self.rules = {spec: (load_rule(spec), weight) for spec, weight in rules.items()}
 
     @torch.no_grad()
@@ -59,9 +61,9 @@ class RewardScorer:
         """(B,) scores and their parts (per RM component, per rule) for logging."""
         # The RM reads conversations rendered exactly as in its training (the response as a
         # closed assistant turn), whatever tokens the policy produced around it.
-        _, full = tokenize_pairs(self.tokenizer, prompts, responses)
+        prompt_ids, full = tokenize_pairs(self.tokenizer, prompts, responses)
         per_seq = map_micro_batches(
-            full, self.max_tokens, self.tokenizer.pad_token_id,
+            full, [len(p) for p in prompt_ids], self.max_tokens, self.tokenizer.pad_token_id, self.share_prompts,
             lambda packed, _: list(last_token(packed_forward(self.model, packed), packed).float()),
         )
         components = torch.stack(per_seq)  # (B, C)

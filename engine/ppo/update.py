@@ -13,8 +13,8 @@ from typing import Callable, Iterator, NamedTuple
 import torch
 
 from engine.data.batching import token_mean_scale
-from engine.data.packing import PackedBatch, dummy_forward_loss, pack_sequences, packed_forward
-from engine.ppo.experience import Experience, packed_micro_batches, pad_right, response_logprobs, response_values
+from engine.data.packing import PackedBatch, dummy_forward_loss, packed_forward, runs_shared_prompts
+from engine.ppo.experience import Experience, micro_batches, pad_right, response_logprobs, response_values
 from engine.ppo.losses import PolicyLoss, clipped_policy_loss, clipped_value_loss, dual_clip_policy_loss, kl_penalty
 from engine.runtime.distributed import all_reduce
 
@@ -60,15 +60,16 @@ def actor_metric_names(settings: PolicyLossSettings) -> list[str]:
         "kl_loss"] * bool(settings.kl_loss_coef)
 
 
-def _micro_batches(engine, batch: Experience, max_tokens: int, pad_id: int) -> Iterator[tuple[Experience, PackedBatch]]:
-    """This rank's packed micro-batches; a dummy one (no samples left here) runs its zero-loss
+def _micro_batches(engine, batch: Experience, max_tokens: int, pad_id: int, share_prompts: bool) -> Iterator[tuple[Experience, PackedBatch]]:
+    """This rank's packed micro-batches (the samples of a prompt sharing it where ``share_prompts``
+    and the attention allows); a dummy one (no samples left here) runs its zero-loss
     forward/backward inside, so every rank makes the same number of ZeRO collectives."""
-    for micro in packed_micro_batches([len(s) for s in batch.sequences], max_tokens):
-        if not micro:
+    share = share_prompts and runs_shared_prompts(engine)
+    for indices, packed in micro_batches(batch.sequences, batch.prompt_lens, max_tokens, pad_id, share):
+        if not indices:
             engine.backward(dummy_forward_loss(engine, pad_id))
             continue
-        mb = batch.select(micro)
-        yield mb, pack_sequences(mb.sequences, pad_id)
+        yield batch.select(indices), packed
 
 
 def global_token_count(mask: torch.Tensor) -> int:
@@ -78,7 +79,7 @@ def global_token_count(mask: torch.Tensor) -> int:
 
 
 def actor_step(
-    engine, batch: Experience, settings: PolicyLossSettings, max_tokens: int, pad_id: int, poison: bool = False
+    engine, batch: Experience, settings: PolicyLossSettings, max_tokens: int, pad_id: int, poison: bool = False, share_prompts: bool = True
 ) -> dict[str, float]:
     """Clipped (or dual-clip) PPO policy loss [+ KL loss - entropy bonus]; returns summed stats.
     ``poison`` multiplies the loss by NaN (fault injection, engine/runtime/faults.py)."""
@@ -86,7 +87,7 @@ def actor_step(
     scale = token_mean_scale(global_token_count(batch.mask), world)
     names = actor_metric_names(settings)
     sums = torch.zeros(len(names) + 1, dtype=torch.float64)  # token sums of each statistic, then the token count
-    for mb, packed in _micro_batches(engine, batch, max_tokens, pad_id):
+    for mb, packed in _micro_batches(engine, batch, max_tokens, pad_id, share_prompts):
         T = mb.mask.shape[1]
         logprobs, entropy = response_logprobs(engine, packed, mb.prompt_lens, with_entropy=True, entropy_grad=settings.entropy_coef != 0)
         logprobs, entropy = pad_right(logprobs, T), pad_right(entropy, T)  # (b, T) each
@@ -103,13 +104,13 @@ def actor_step(
 
 
 def critic_step(
-    engine, batch: Experience, value_weights: torch.Tensor, value_clip: float, max_tokens: int, pad_id: int
+    engine, batch: Experience, value_weights: torch.Tensor, value_clip: float, max_tokens: int, pad_id: int, share_prompts: bool = True
 ) -> dict[str, float]:
     """Clipped value loss around the rollout's values; returns summed stats."""
     world = torch.distributed.get_world_size()
     scale = token_mean_scale(global_token_count(batch.mask), world)
     sums = torch.zeros(4, dtype=torch.float64)  # vf_loss, clipped tokens, value, tokens
-    for mb, packed in _micro_batches(engine, batch, max_tokens, pad_id):
+    for mb, packed in _micro_batches(engine, batch, max_tokens, pad_id, share_prompts):
         values = pad_right(response_values(packed_forward(engine, packed), packed, mb.prompt_lens, value_weights), mb.mask.shape[1])
         vf = clipped_value_loss(values, mb.old_values, mb.returns, value_clip)
         mask = mb.mask.float()
@@ -140,6 +141,7 @@ def update_on_rollout(
     max_tokens: int,
     pad_id: int,
     train_actor: bool,
+    share_prompts: bool,
     seed: int,
     poison: bool,
     after_step: Callable[[object, str], None],
@@ -147,7 +149,8 @@ def update_on_rollout(
     """``ppo_epochs`` passes over this rank's rollout in shuffled mini-batches of
     ``mini_batch_size`` sequences over all ranks (the same shuffle for a given ``seed``): a critic
     step (none when ``critic`` is None: a critic-free estimator), then an actor step unless
-    ``train_actor`` is false (critic warm-up).
+    ``train_actor`` is false (critic warm-up). ``share_prompts``: the samples of a prompt that fall
+    in one mini-batch compute it once.
     ``after_step(engine, name)`` runs after each optimizer step (the non-finite guard). Returns
     each statistic's mean over the mini-batches."""
     for engine in (actor, critic):
@@ -162,10 +165,10 @@ def update_on_rollout(
             mb = exp.select(perm[k : k + local_mb])
             step_stats = {}
             if critic is not None:
-                step_stats = critic_step(critic, mb, value_weights, value_clip, max_tokens, pad_id)
+                step_stats = critic_step(critic, mb, value_weights, value_clip, max_tokens, pad_id, share_prompts)
                 after_step(critic, "critic")
             if train_actor:
-                step_stats |= actor_step(actor, mb, settings, max_tokens, pad_id, poison)
+                step_stats |= actor_step(actor, mb, settings, max_tokens, pad_id, poison, share_prompts)
                 after_step(actor, "actor")
             for key, value in step_stats.items():
                 stats.setdefault(key, []).append(value)

@@ -15,11 +15,12 @@ import torch
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-from engine.data.batching import epoch_order, epoch_schedule, plan_global, plan_micro_batches
+from engine.data.batching import epoch_order, epoch_schedule, group_tokens, plan_global, plan_micro_batches, prompt_groups
 from engine.data.chat import prompt_ids
+from engine.data.packing import VARLEN_SDPA
 from engine.runtime.deepspeed_glue import zero_stage
 from engine.runtime.lora import add_adapters
-from engine.runtime.models import meta_model
+from engine.runtime.models import meta_model, resolve_attention
 
 
 def size(num_bytes: float) -> str:
@@ -131,6 +132,19 @@ def rm_plan(cfg, train: list, validation: list, ds_config: dict[str, Any], world
     return 0
 
 
+def experience_micro_batches(cfg, prompt_lengths: list[int], budget: int) -> str:
+    """Micro-batches of one experience forward over these prompts' samples at max_new_tokens, with
+    what sharing each prompt among its samples saves (ppo.share_prompt)."""
+    r, dtype = cfg.rollout, torch.bfloat16 if cfg.actor.bf16 else torch.float32
+    sequences = [[i] * n + [-1] * r.max_new_tokens for i, n in enumerate(prompt_lengths) for _ in range(r.samples_per_prompt)]
+    plain = [len(s) for s in sequences]
+    if not (cfg.ppo.share_prompt and r.samples_per_prompt > 1 and resolve_attention(cfg.actor.attn_implementation, dtype) == VARLEN_SDPA):
+        return str(len(plan_micro_batches(plain, budget)))
+    shared = group_tokens(sequences, prompt_groups(sequences, [n for n in prompt_lengths for _ in range(r.samples_per_prompt)], budget))
+    return (f"{len(plan_micro_batches(shared, budget))} (each prompt once for its {r.samples_per_prompt} samples: "
+            f"{1 - sum(shared) / sum(plain):.0%} fewer tokens)")
+
+
 def ppo_plan(cfg, prompts: list, eval_prompts: list, tokenizer, ds_config: dict[str, Any], world: int) -> int:
     """The PPO run: prompts, rollout and update batch plan (worst-case lengths), parameters, memory."""
     print(f"dry run of train_ppo.py ({world} rank(s)); nothing is trained or written")
@@ -150,7 +164,7 @@ def ppo_plan(cfg, prompts: list, eval_prompts: list, tokenizer, ds_config: dict[
     worst = [n + r.max_new_tokens for n in sorted(lengths)[-per_iteration // world :]]  # this rank's longest possible share
     mini = cfg.ppo.mini_batch_size // world
     print(f"micro-batches (budget {budget} tokens, worst case: longest prompts + max_new_tokens, longest {longest}): "
-          f"{len(plan_micro_batches(worst, budget))} per experience forward, "
+          f"{experience_micro_batches(cfg, sorted(lengths)[-r.prompts_per_iteration // world :], budget)} per experience forward, "
           f"{len(plan_micro_batches(worst[-mini:], budget))} per mini-batch update; "
           f"{cfg.ppo.ppo_epochs * per_iteration // cfg.ppo.mini_batch_size} optimizer steps per iteration per trained model")
     components = None if cfg.critic.init_from == "reward_model" else ["value"]

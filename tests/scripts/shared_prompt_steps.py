@@ -1,0 +1,134 @@
+"""Training steps through real DeepSpeed engines, with and without shared prompts.
+
+    deepspeed --num_gpus 2 tests/scripts/shared_prompt_steps.py MODEL_DIR PAIRS_PARQUET
+
+For ZeRO-2 and ZeRO-3, from fresh engines per packing (same initial weights: same seed), one SGD
+step (lr 1, no clipping: ``before - after`` is the averaged gradient) of
+- the reward model: every rank scores its share of the global token-budget plan
+  (engine/rm/reward_model.score_pairs, chosen and rejected sharing their prompt's tokens or not)
+  and backpropagates the BT loss;
+- PPO's actor and critic (engine/ppo/update.actor_step, critic_step) on this rank's samples,
+  three per prompt, their prompt packed once or with every sample; the old log-probs come from
+  an experience forward (engine/ppo/experience.sequence_logprobs), computed both ways.
+Rank 0 prints one JSON line: per model and stage the largest weight difference between the two
+packings after the step and the largest update, the largest log-prob gap of the experience
+forwards, and the tokens each packing computed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from sgd_engine import full_weights, launched_args, sgd_engine
+from transformers import AutoTokenizer
+
+from engine.data.batching import plan_global, token_mean_scale
+from engine.data.packing import dummy_forward_loss
+from engine.data.preferences import collate_pairs, load_preferences
+from engine.ppo.experience import Experience, micro_batches, pad_right, sequence_logprobs
+from engine.ppo.update import PolicyLossSettings, actor_step, critic_step
+from engine.rm.losses import pair_losses
+from engine.rm.reward_model import score_pairs
+from engine.runtime.distributed import all_reduce, shutdown_distributed
+from engine.runtime.models import load_causal_lm, load_value_model
+
+COMPONENTS = ["helpful", "harmless"]
+WEIGHTS = torch.tensor([1.0, 1.0])
+SETTINGS = PolicyLossSettings(clip_low=0.2, clip_high=0.2, clip_ratio_c=None, kl_loss_coef=0.1, kl_estimator="k3", entropy_coef=0.01)
+MAX_TOKENS = 60  # a few prompt groups per micro-batch, some split
+
+
+def rm_step(model_dir: str, examples, stage: int, rank: int, world: int, max_tokens: int):
+    """(weights before, weights after one SGD step), from fresh weights."""
+    torch.manual_seed(0)  # the same new head
+    engine, keep_alive = sgd_engine(lambda: load_value_model(model_dir, COMPONENTS), stage)
+    before = full_weights(engine)
+    for micro in plan_global([e.num_tokens for e in examples], max_tokens, world)[rank]:
+        if not micro:
+            engine.backward(dummy_forward_loss(engine, 0))
+            continue
+        batch = [examples[i] for i in micro]
+        r_c, r_r = score_pairs(engine, batch)
+        _, margins, labels = collate_pairs(batch)
+        engine.backward(pair_losses(r_c, r_r, WEIGHTS, margins, labels).total.sum() * token_mean_scale(len(examples), world))
+    engine.step()
+    after = full_weights(engine)
+    del keep_alive
+    return before, after
+
+
+def rollout(vocab: int, rank: int) -> tuple[list[list[int]], list[int]]:
+    """This rank's samples: 3 per prompt, contiguous; rank 1 gets one prompt fewer (uneven micro-batches)."""
+    g = torch.Generator().manual_seed(10 + rank)
+    sequences, prompt_lens = [], []
+    for _ in range(5 - rank):
+        p = int(torch.randint(2, 30, (1,), generator=g))
+        prompt = torch.randint(4, vocab, (p,), generator=g).tolist()
+        for _ in range(3):
+            sequences.append(prompt + torch.randint(4, vocab, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist())
+            prompt_lens.append(p)
+    return sequences, prompt_lens
+
+
+def experience(sequences, prompt_lens, old_logprobs: list[torch.Tensor], rank: int) -> Experience:
+    g = torch.Generator().manual_seed(20 + rank)
+    R = [len(s) - p for s, p in zip(sequences, prompt_lens)]
+    T, B = max(R), len(R)
+    mask = pad_right([torch.ones(r, dtype=torch.bool) for r in R], T)
+    noise = lambda: torch.randn(B, T, generator=g) * mask  # noqa: E731
+    old = pad_right(old_logprobs, T) + 0.05 * noise()  # near the policy: some ratios clip, most do not
+    return Experience(sequences, prompt_lens, mask, old, old + 0.1 * noise(), noise(), noise(), noise(), torch.zeros(B), torch.zeros(B, T),
+                      mask.float())
+
+
+def ppo_step(model_dir: str, stage: int, rank: int, share: bool, samples) -> dict:
+    """Weights of the actor and the critic before and after one step, the largest gap between the
+    old log-probs with and without sharing (the experience is built from the unshared ones), the
+    tokens computed."""
+    torch.manual_seed(0)
+    actor, keep_actor = sgd_engine(lambda: load_causal_lm(model_dir), stage)
+    critic, keep_critic = sgd_engine(lambda: load_value_model(model_dir, ["value"]), stage)
+    sequences, prompt_lens = samples
+    with torch.no_grad():  # as in make_experience
+        old, old_shared = (sequence_logprobs(actor, sequences, prompt_lens, MAX_TOKENS, 0, s) for s in (False, True))
+    gap = (torch.cat(old) - torch.cat(old_shared)).abs().max().reshape(1)
+    exp = experience(sequences, prompt_lens, old, rank)
+    before = {"actor": full_weights(actor), "critic": full_weights(critic)}
+    actor_step(actor, exp, SETTINGS, MAX_TOKENS, 0, share_prompts=share)
+    critic_step(critic, exp, torch.ones(1), 0.2, MAX_TOKENS, 0, share_prompts=share)
+    after = {"actor": full_weights(actor), "critic": full_weights(critic)}
+    tokens = torch.tensor([float(sum(p.num_tokens for _, p in micro_batches(sequences, prompt_lens, MAX_TOKENS, 0, share)))])
+    all_reduce(tokens)
+    all_reduce(gap, op=torch.distributed.ReduceOp.MAX)
+    del keep_actor, keep_critic
+    return {"before": before, "after": after, "gap": gap.item(), "tokens": int(tokens.item())}
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+
+def main() -> None:
+    args, rank, world = launched_args("model", "pairs")
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    plain, shared = (load_preferences(args.pairs, tokenizer, COMPONENTS, use_margin=False, share_prompt=s)[:24] for s in (False, True))
+    report = {"world": world, "tokens": {"plain": sum(e.num_tokens for e in plain), "shared": sum(e.num_tokens for e in shared)}}
+    samples = rollout(tokenizer.vocab_size, rank)
+    for stage in (2, 3):
+        # A budget of a few pairs: several micro-batches per rank, planned from each packing's own token counts.
+        (start, w_plain), (_, w_shared) = (rm_step(args.model, ex, stage, rank, world, max_tokens=400) for ex in (plain, shared))
+        report[f"zero{stage}"] = {"weight_diff": max_diff(w_plain, w_shared), "update": max_diff(w_plain, start)}
+        whole, once = (ppo_step(args.model, stage, rank, share, samples) for share in (False, True))
+        report[f"ppo_zero{stage}"] = {
+            "logprob_gap": once["gap"], "tokens": {"plain": whole["tokens"], "shared": once["tokens"]},
+            **{m: {"weight_diff": max_diff(whole["after"][m], once["after"][m]), "update": max_diff(whole["after"][m], whole["before"][m])}
+               for m in ("actor", "critic")},
+        }
+    if rank == 0:
+        print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
+    shutdown_distributed()
