@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from engine.data import packing
 from engine.data.batching import plan_micro_batches, token_mean_scale
-from engine.data.packing import attention_calls, block_causal_mask, last_token, next_token_logprobs, pack_sequences, packed_forward, unpack
+from engine.data.packing import attention_calls, block_causal_mask, last_token, next_token_logprobs, pack_sequences, packed_forward
 from engine.ppo.experience import response_logprobs
 from engine.runtime.models import load_causal_lm, load_value_model, resolve_attention
 
@@ -114,7 +114,8 @@ def test_packed_values_and_rewards_equal_padded(value_model):
     with torch.no_grad():
         per_token = packed_forward(value_model, packed)  # (1, T, 2)
         padded = value_model(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits  # (B, L, 2)
-    for i, (v, n) in enumerate(zip(unpack(per_token, packed), LENGTHS)):
+    for i, (rows, n) in enumerate(zip(packing.sequence_rows(packed), LENGTHS)):
+        v = per_token[0, rows]
         assert v.shape == (n, 2)
         torch.testing.assert_close(v, padded[i, :n], atol=1e-5, rtol=0)
     rewards = last_token(per_token, packed)  # (N, 2)
@@ -125,7 +126,7 @@ def test_packed_values_and_rewards_equal_padded(value_model):
 def test_empty_micro_batch_is_a_one_token_dummy():
     packed = pack_sequences([], pad_token_id=3)
     assert packed.input_ids.tolist() == [[3]] and packed.seq_lens == [] and packed.num_tokens == 0
-    assert unpack(torch.zeros(1, 1, 2), packed) == []
+    assert packing.sequence_rows(packed) == []
     with pytest.raises(ValueError, match="empty sequence"):
         pack_sequences([[1], []])
 

@@ -30,8 +30,9 @@ the prompt plus one call per branch over the prompt's keys and its own, which ke
 O(sum L_i^2) of the whole sequences (on 2 cores: 1.0-1.2x the masked call's time at 200-500
 tokens, 0.2-0.5x for 4-8 branches of 256).
 
-Outputs come back unpacked: per-token values as one tensor per sequence, per-sequence values
-(a reward) read at each sequence's (branch's) last token, next-token log-probs within each sequence.
+Outputs are read per sequence through :func:`sequence_rows` (each sequence's row positions):
+per-sequence values (a reward) at each sequence's (branch's) last token, next-token log-probs
+within each sequence.
 """
 
 from __future__ import annotations
@@ -261,11 +262,6 @@ def packed_forward(model: torch.nn.Module, packed: PackedBatch, logits_positions
         kwargs["attention_mask"] = block_causal_mask(packed, hf_model.dtype)
     device = next(hf_model.parameters()).device  # ZeRO-3's partitioned placeholders live there too
     return model(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}).logits
-
-
-def unpack(per_token: torch.Tensor, packed: PackedBatch) -> list[torch.Tensor]:
-    """(1, T, ...) -> one (L_i, ...) CPU tensor per sequence, in packing order."""
-    return list(per_token[0, : packed.num_tokens].cpu().split(packed.seq_lens)) if packed.seq_lens else []
 
 
 def last_token(per_token: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
