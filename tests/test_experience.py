@@ -150,7 +150,7 @@ def test_shared_prompts_give_the_log_probs_values_and_gradients_of_whole_sequenc
         got, n = {}, 0
         for model in models.values():
             model.zero_grad()
-        for indices, packed in micro_batches(sequences, prompt_lens, max_tokens=24, pad_token_id=0, share_prompts=share):
+        for indices, packed in micro_batches(models["actor"], sequences, prompt_lens, max_tokens=24, pad_token_id=0, share_prompts=share):
             n += packed.num_tokens
             lens = [prompt_lens[i] for i in indices]
             logprobs, entropy = response_logprobs(models["actor"], packed, lens, with_entropy=True, entropy_grad=True)

@@ -22,7 +22,7 @@ import torch
 from engine.config import config_to_dict
 from engine.data.batching import epoch_order, epoch_schedule, plan_global, token_mean_scale
 from engine.data.errors import DataFileError
-from engine.data.packing import VARLEN_SDPA, dummy_forward_loss
+from engine.data.packing import dummy_forward_loss
 from engine.data.preferences import PreferenceExample, collate_pairs, load_preferences, pairs_that_fit
 from engine.rm.losses import pair_losses
 from engine.rm.reward_model import PairStats, evaluate_pairs, score_pairs
@@ -34,7 +34,7 @@ from engine.runtime.faults import nan_loss_at
 from engine.runtime.guards import NonFiniteGuard
 from engine.runtime.launch import run_main, start_run
 from engine.runtime.lifecycle import RunEnded, RunLifecycle
-from engine.runtime.models import load_value_model, resolve_attention
+from engine.runtime.models import attention_shares_prompts, load_value_model
 from engine.runtime.preflight import load_tokenizer
 
 
@@ -77,8 +77,7 @@ def train_step(
 
 def shares_prompts(cfg: RewardModelConfig) -> bool:
     """rm.share_prompt, where the attention implementation in effect runs shared-prompt rows (sdpa_varlen)."""
-    dtype = torch.bfloat16 if cfg.model.bf16 else torch.float32
-    return cfg.rm.share_prompt and resolve_attention(cfg.model.attn_implementation, dtype) == VARLEN_SDPA
+    return cfg.rm.share_prompt and attention_shares_prompts(cfg.model.attn_implementation, cfg.model.bf16)
 
 
 def load_pairs(path: str, tokenizer, cfg: RewardModelConfig, rank: int) -> list[PreferenceExample]:

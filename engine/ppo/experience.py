@@ -36,21 +36,24 @@ def packed_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[i
 
 
 def micro_batches(
-    sequences: Sequence[list[int]], prompt_lens: Sequence[int], max_tokens: int, pad_token_id: int, share_prompts: bool
+    model, sequences: Sequence[list[int]], prompt_lens: Sequence[int], max_tokens: int, pad_token_id: int, share_prompts: bool
 ) -> Iterator[tuple[list[int], PackedBatch]]:
-    """This rank's packed micro-batches of ``sequences`` (prompt + response): ``(indices, packed)``
-    each, the indices in packing order; as many as the busiest rank needs (a dummy one packs a
-    padding token and no indices). ``share_prompts``: the sequences of a prompt pack it once
+    """This rank's packed micro-batches of ``sequences`` (prompt + response) for ``model``:
+    ``(indices, packed)`` each, the indices in packing order; as many as the busiest rank needs (a
+    dummy one packs a padding token and no indices). ``share_prompts``, where the model's attention
+    runs shared-prompt rows: the sequences of a prompt pack it once
     (:func:`engine.data.batching.prompt_groups`), and the token budget counts it once."""
-    groups = prompt_groups(sequences, prompt_lens, max_tokens) if share_prompts else [(0, [i]) for i in range(len(sequences))]
+    share = share_prompts and runs_shared_prompts(model)
+    groups = prompt_groups(sequences, prompt_lens, max_tokens) if share else [(0, [i]) for i in range(len(sequences))]
     for micro in packed_micro_batches(group_tokens(sequences, groups), max_tokens):
         chosen = [groups[j] for j in micro]
         indices = [i for _, members in chosen for i in members]
-        yield indices, (pack_groups(sequences, chosen, pad_token_id) if share_prompts
+        yield indices, (pack_groups(sequences, chosen, pad_token_id) if share
                         else pack_sequences([sequences[i] for i in indices], pad_token_id))
 
 
 def map_micro_batches(
+    model,
     sequences: Sequence[list[int]],
     prompt_lens: Sequence[int],
     max_tokens: int,
@@ -58,11 +61,11 @@ def map_micro_batches(
     share_prompts: bool,
     fn: Callable[[PackedBatch, list[int]], list[torch.Tensor]],
 ) -> list[torch.Tensor]:
-    """Apply ``fn(packed, indices)`` (a forward returning one tensor per packed sequence) over
-    ``sequences`` in :func:`micro_batches`; dummy micro-batches run a one-token forward through
+    """Apply ``fn(packed, indices)`` (a forward of ``model`` returning one tensor per packed
+    sequence) over ``sequences`` in :func:`micro_batches`; dummy micro-batches run a one-token forward through
     ``fn`` too. Results come back in input order."""
     results: list[torch.Tensor | None] = [None] * len(sequences)
-    for indices, packed in micro_batches(sequences, prompt_lens, max_tokens, pad_token_id, share_prompts):
+    for indices, packed in micro_batches(model, sequences, prompt_lens, max_tokens, pad_token_id, share_prompts):
         for i, value in zip(indices, fn(packed, indices)):
             results[i] = value
     return results  # type: ignore[return-value]
@@ -107,8 +110,7 @@ def sequence_logprobs(
     """Each sequence's response-token log-probs under ``model`` (one (R_i,) tensor each), computed
     in packed micro-batches of at most ``max_tokens``, prompts shared where ``share_prompts`` and
     the model's attention allows."""
-    share = share_prompts and runs_shared_prompts(model)
-    return map_micro_batches(sequences, prompt_lens, max_tokens, pad_token_id, share,
+    return map_micro_batches(model, sequences, prompt_lens, max_tokens, pad_token_id, share_prompts,
                              lambda packed, idx: response_logprobs(model, packed, [prompt_lens[i] for i in idx])[0])
 
 
@@ -129,9 +131,8 @@ def sequence_values(
 ) -> list[torch.Tensor]:
     """Each sequence's critic values (one (R_i,) tensor each), in packed micro-batches of at most
     ``max_tokens``, prompts shared as in :func:`sequence_logprobs`."""
-    share = share_prompts and runs_shared_prompts(critic)
     return map_micro_batches(
-        sequences, prompt_lens, max_tokens, pad_token_id, share,
+        critic, sequences, prompt_lens, max_tokens, pad_token_id, share_prompts,
         lambda packed, idx: response_values(packed_forward(critic, packed), packed, [prompt_lens[i] for i in idx], weights),
     )
 

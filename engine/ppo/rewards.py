@@ -11,7 +11,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine.data.chat import tokenize_pairs
-from engine.data.packing import last_token, packed_forward, runs_shared_prompts
+from engine.data.packing import last_token, packed_forward
 from engine.ppo.experience import map_micro_batches
 
 Rule = Callable[[list[dict[str, str]], str], float]
@@ -51,7 +51,7 @@ class RewardScorer:
         self.weights = torch.tensor([weights[c] for c in self.components])
         self.mean, self.std = (stats["mean"], stats["std"]) if normalize else (0.0, 1.0)
         self.clip, self.no_eos_penalty, self.max_tokens = clip, no_eos_penalty, max_tokens
-        self.share_prompts = share_prompts and runs_shared_prompts(reward_model)  # a prompt's responses read it once
+        self.share_prompts = share_prompts  # a prompt's responses read it once
         self.rules = {spec: (load_rule(spec), weight) for spec, weight in rules.items()}
 
     @torch.no_grad()
@@ -63,7 +63,7 @@ class RewardScorer:
         # closed assistant turn), whatever tokens the policy produced around it.
         prompt_ids, full = tokenize_pairs(self.tokenizer, prompts, responses)
         per_seq = map_micro_batches(
-            full, [len(p) for p in prompt_ids], self.max_tokens, self.tokenizer.pad_token_id, self.share_prompts,
+            self.model, full, [len(p) for p in prompt_ids], self.max_tokens, self.tokenizer.pad_token_id, self.share_prompts,
             lambda packed, _: list(last_token(packed_forward(self.model, packed), packed).float()),
         )
         components = torch.stack(per_seq)  # (B, C)

@@ -13,7 +13,7 @@ from typing import Callable, Iterator, NamedTuple
 import torch
 
 from engine.data.batching import token_mean_scale
-from engine.data.packing import PackedBatch, dummy_forward_loss, packed_forward, runs_shared_prompts
+from engine.data.packing import PackedBatch, dummy_forward_loss, packed_forward
 from engine.ppo.experience import Experience, micro_batches, pad_right, response_logprobs, response_values
 from engine.ppo.losses import PolicyLoss, clipped_policy_loss, clipped_value_loss, dual_clip_policy_loss, kl_penalty
 from engine.runtime.distributed import all_reduce
@@ -64,8 +64,7 @@ def _micro_batches(engine, batch: Experience, max_tokens: int, pad_id: int, shar
     """This rank's packed micro-batches (the samples of a prompt sharing it where ``share_prompts``
     and the attention allows); a dummy one (no samples left here) runs its zero-loss
     forward/backward inside, so every rank makes the same number of ZeRO collectives."""
-    share = share_prompts and runs_shared_prompts(engine)
-    for indices, packed in micro_batches(batch.sequences, batch.prompt_lens, max_tokens, pad_id, share):
+    for indices, packed in micro_batches(engine, batch.sequences, batch.prompt_lens, max_tokens, pad_id, share_prompts):
         if not indices:
             engine.backward(dummy_forward_loss(engine, pad_id))
             continue

@@ -17,10 +17,9 @@ from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem
 
 from engine.data.batching import epoch_order, epoch_schedule, group_tokens, plan_global, plan_micro_batches, prompt_groups
 from engine.data.chat import prompt_ids
-from engine.data.packing import VARLEN_SDPA
 from engine.runtime.deepspeed_glue import zero_stage
 from engine.runtime.lora import add_adapters
-from engine.runtime.models import meta_model, resolve_attention
+from engine.runtime.models import attention_shares_prompts, meta_model
 
 
 def size(num_bytes: float) -> str:
@@ -135,10 +134,10 @@ def rm_plan(cfg, train: list, validation: list, ds_config: dict[str, Any], world
 def experience_micro_batches(cfg, prompt_lengths: list[int], budget: int) -> str:
     """Micro-batches of one experience forward over these prompts' samples at max_new_tokens, with
     what sharing each prompt among its samples saves (ppo.share_prompt)."""
-    r, dtype = cfg.rollout, torch.bfloat16 if cfg.actor.bf16 else torch.float32
+    r = cfg.rollout
     sequences = [[i] * n + [-1] * r.max_new_tokens for i, n in enumerate(prompt_lengths) for _ in range(r.samples_per_prompt)]
     plain = [len(s) for s in sequences]
-    if not (cfg.ppo.share_prompt and r.samples_per_prompt > 1 and resolve_attention(cfg.actor.attn_implementation, dtype) == VARLEN_SDPA):
+    if not (cfg.ppo.share_prompt and r.samples_per_prompt > 1 and attention_shares_prompts(cfg.actor.attn_implementation, cfg.actor.bf16)):
         return str(len(plan_micro_batches(plain, budget)))
     shared = group_tokens(sequences, prompt_groups(sequences, [n for n in prompt_lengths for _ in range(r.samples_per_prompt)], budget))
     return (f"{len(plan_micro_batches(shared, budget))} (each prompt once for its {r.samples_per_prompt} samples: "

@@ -30,6 +30,11 @@ def resolve_attention(name: str, dtype: torch.dtype) -> str:
     return "flash_attention_2" if gpu_flash and dtype in (torch.bfloat16, torch.float16) else VARLEN_SDPA
 
 
+def attention_shares_prompts(attn_implementation: str, bf16: bool) -> bool:
+    """Whether the attention a model loads with (these settings) runs shared-prompt rows: ``sdpa_varlen``."""
+    return resolve_attention(attn_implementation, torch.bfloat16 if bf16 else torch.float32) == VARLEN_SDPA
+
+
 def load_causal_lm(
     path: str, dtype: torch.dtype = torch.float32, attn_implementation: str = AUTO_ATTENTION, trust_remote_code: bool = False
 ) -> PreTrainedModel:

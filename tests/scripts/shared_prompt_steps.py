@@ -98,7 +98,7 @@ def ppo_step(model_dir: str, stage: int, rank: int, share: bool, samples) -> dic
     actor_step(actor, exp, SETTINGS, MAX_TOKENS, 0, share_prompts=share)
     critic_step(critic, exp, torch.ones(1), 0.2, MAX_TOKENS, 0, share_prompts=share)
     after = {"actor": full_weights(actor), "critic": full_weights(critic)}
-    tokens = torch.tensor([float(sum(p.num_tokens for _, p in micro_batches(sequences, prompt_lens, MAX_TOKENS, 0, share)))])
+    tokens = torch.tensor([float(sum(p.num_tokens for _, p in micro_batches(actor, sequences, prompt_lens, MAX_TOKENS, 0, share)))])
     all_reduce(tokens)
     all_reduce(gap, op=torch.distributed.ReduceOp.MAX)
     del keep_actor, keep_critic
