@@ -26,15 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pyarrow.parquet as pq
-from rm_vs_trl import HH, REPO, ensure_peer_venv, run
+from rm_vs_trl import HH, REPO, ensure_peer_venv, run, run_process
 
 from engine.data.batching import epoch_order
 
@@ -103,11 +101,9 @@ def main() -> int:
             run([launcher, "--num_gpus", "1", "train/train_ppo.py", "--config", "ds_configs/demo_ppo.json", *ppo_overrides,
                  *extra, "--logging.output_dir", str(out)])
             ours[label] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
-        trl = subprocess.run([str(peer_python), "bench/peers/trl_ppo.py", "--actor", str(model), "--reward", str(work / "rm" / "model"),
-                              "--prompts", str(in_order), "--out", str(work / "trl"),
-                              "--iterations", str(args.iterations), "--samples-per-prompt", str(k),
-                              "--micro-batch", str(args.trl_micro_batch)],
-                             capture_output=True, text=True, cwd=REPO, env={**os.environ, "WANDB_MODE": "disabled"})
+        trl = run_process([str(peer_python), "bench/peers/trl_ppo.py", "--actor", str(model), "--reward", str(work / "rm" / "model"),
+                           "--prompts", str(in_order), "--out", str(work / "trl"), "--iterations", str(args.iterations),
+                           "--samples-per-prompt", str(k), "--micro-batch", str(args.trl_micro_batch)], WANDB_MODE="disabled")
         floor = json.loads(run([py, "bench/model_math.py", "--actor", str(model), "--reward", str(work / "rm" / "model"),
                                 "--prompts", str(in_order), "--batches", str(args.iterations - 1),
                                 "--samples-per-prompt", str(k)],

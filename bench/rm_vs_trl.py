@@ -44,8 +44,13 @@ def ensure_peer_venv(path: Path, trl_version: str = TRL_VERSION) -> Path:
     return python
 
 
+def run_process(cmd: list[str], **env: str) -> subprocess.CompletedProcess:
+    """``cmd`` in the repository root with ``env`` added; its output captured, its exit status not checked."""
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, **env})
+
+
 def run(cmd: list[str], **env: str) -> str:
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, **env})
+    result = run_process(cmd, **env)
     if result.returncode:
         sys.exit(f"failed: {' '.join(cmd)}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result.stdout

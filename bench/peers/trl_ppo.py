@@ -1,5 +1,6 @@
 """TRL 1.12's PPOTrainer (trl.experimental.ppo; removed in 1.13) on the demo models; run in the
-peer venv by bench/ppo_vs_trl.py. Its batches take the prompts in file order. Prints one JSON line with the seconds of each iteration."""
+peer venv by bench/ppo_vs_trl.py. Its batches take the prompts in file order. Prints one JSON
+line with the seconds of each iteration."""
 
 from __future__ import annotations
 
