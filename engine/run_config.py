@@ -273,6 +273,11 @@ class PPOSection:
         "iteration; checked against the actor every sampler_check_every iterations, back to the actor for good when the gap is "
         "above sampler_logprob_tolerance)"
     )
+    old_values_from: Literal["update", "experience"] = option(
+        "update", "the critic's values at sampling time (GAE's baseline): update: the first critic step's own forward, on the same "
+        "weights (exact; one forward fewer per iteration), used where it is the same: the rollout is one mini-batch (mini_batch_size = "
+        "prompts_per_iteration x samples_per_prompt) and the critic has no dropout; experience: always an experience forward"
+    )
     share_prompt: bool = option(
         True, "compute a prompt once for all its samples (samples_per_prompt) in the experience and training forwards (exact; "
         "used with attention sdpa_varlen, the default on CPUs and on GPUs without flash-attn)"

@@ -12,9 +12,9 @@ import torch
 
 from engine.config import DS_CONFIGS_DIR
 from engine.data.batching import token_mean_scale
-from engine.ppo.experience import Experience, pad_right
-from engine.ppo.losses import kl_penalty
-from engine.ppo.update import PolicyLossSettings, actor_step, actor_token_loss, critic_step
+from engine.ppo.experience import Experience, pad_right, sequence_values
+from engine.ppo.losses import estimate_advantages, kl_penalty
+from engine.ppo.update import GaeSettings, PolicyLossSettings, actor_step, actor_token_loss, critic_step, update_on_rollout
 
 SETTINGS = PolicyLossSettings(clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0, kl_loss_coef=0.1, kl_estimator="k3", entropy_coef=0.01)
 RESPONSE_LENS = [5, 1, 9, 3, 7, 2, 6, 4]
@@ -31,7 +31,7 @@ def random_experience(vocab: int, seed: int = 0) -> Experience:
     return Experience(
         sequences=[p + r for p, r in zip(prompts, responses)], prompt_lens=[len(p) for p in prompts], mask=mask,
         old_logprobs=rand(0.5) - 3.0 * mask, ref_logprobs=rand(0.5) - 3.0 * mask, old_values=rand(), advantages=rand(),
-        returns=rand(), scores=torch.randn(B, generator=g), kl=rand(0.1), is_weights=mask.float(),
+        returns=rand(), scores=torch.randn(B, generator=g), kl=rand(0.1), is_weights=mask.float(), rewards=rand(),
     )
 
 
@@ -87,11 +87,11 @@ def test_each_setting_changes_its_term_of_the_actor_loss():
     torch.testing.assert_close(tis.per_token, base.per_token * weights + 0.1 * kl.kl)  # the surrogate only, not the KL loss
 
 
-def make_engines(tiny_model_dir, seed: int):
+def make_engines(tiny_model_dir, seed: int, ds_file: str = "tiny_cpu_zero2.json"):
     from engine.runtime.deepspeed_glue import initialize_training_engine, training_ds_config
     from engine.runtime.models import load_causal_lm, load_value_model
 
-    with open(os.path.join(DS_CONFIGS_DIR, "tiny_cpu_zero2.json")) as f:
+    with open(os.path.join(DS_CONFIGS_DIR, ds_file)) as f:
         ds_config = training_ds_config(json.load(f), bf16=False)
     optim = dict(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, lr_scheduler="constant", warmup_steps=0, total_steps=10)
     torch.manual_seed(seed)
@@ -102,7 +102,12 @@ def make_engines(tiny_model_dir, seed: int):
 
 
 def parameters(engine) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in engine.module.parameters()]
+    """The full weights (gathered under ZeRO-3)."""
+    import deepspeed
+
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_partition_weights()):
+        return [p.detach().clone() for p in params]
 
 
 @pytest.mark.parametrize("max_tokens", [14, 24])
@@ -127,3 +132,50 @@ def test_real_steps_do_not_depend_on_the_micro_batch_budget(deepspeed_ready, tin
         assert (a - b).abs().mean() < 1e-9 and (a - b).abs().max() < 1e-4
     start, _ = make_engines(tiny_model_dir, seed=0)
     assert any(not torch.equal(a, b) for a, b in zip(parameters(start), one_actor))  # the step did move the actor
+
+
+@pytest.mark.parametrize("ds_file", ["tiny_cpu_zero2.json", "tiny_cpu_zero3.json"])
+def test_values_from_the_first_critic_step_equal_an_experience_forward(deepspeed_ready, tiny_model_dir, ds_file):
+    """ppo.old_values_from update: with the rollout as one mini-batch, the first critic step's own
+    forward gives the values an experience forward would (same weights), so the values, GAE's
+    advantages and returns, two epochs of statistics and the weights after them are the same."""
+    gae_settings, world = GaeSettings(gamma=0.99, lam=0.95, whiten=True), torch.distributed.group.WORLD
+    results = []
+    for from_update in (False, True):
+        actor, critic = make_engines(tiny_model_dir, seed=0, ds_file=ds_file)
+        exp = random_experience(actor.module.config.vocab_size)
+        if from_update:
+            exp.old_values, exp.advantages, exp.returns = (torch.zeros_like(exp.rewards) for _ in range(3))
+        else:
+            critic.eval()
+            with torch.no_grad():
+                exp.old_values = pad_right(sequence_values(critic, exp.sequences, exp.prompt_lens, torch.ones(1), 24, 0, True), exp.mask.shape[1])
+            exp.advantages, exp.returns = estimate_advantages("gae", exp.rewards, exp.old_values, exp.mask, 0.99, 0.95, 1, True, group=world)
+        stats = update_on_rollout(actor, critic, exp, settings=SETTINGS, value_weights=torch.ones(1), value_clip=0.2, ppo_epochs=2,
+                                  mini_batch_size=len(exp.sequences), max_tokens=24, pad_id=0, train_actor=True, share_prompts=True, seed=0,
+                                  poison=False, after_step=lambda engine, name: None, values_gae=gae_settings if from_update else None)
+        results.append((exp, stats, parameters(actor) + parameters(critic)))
+    (want, want_stats, want_weights), (got, got_stats, got_weights) = results
+    assert want.old_values[want.mask].abs().min() > 0  # real values, not the placeholders
+    for field in ("old_values", "advantages", "returns"):
+        torch.testing.assert_close(getattr(got, field), getattr(want, field), atol=1e-5, rtol=0)
+    assert all(got_stats[k] == pytest.approx(want_stats[k], rel=1e-5, abs=1e-6) for k in want_stats), (want_stats, got_stats)
+    diff = torch.cat([(a - b).abs().flatten() for a, b in zip(want_weights, got_weights)])  # Adam's sign steps, as above
+    assert diff.mean() < 1e-9 and diff.max() < 1e-4
+    actor, critic = make_engines(tiny_model_dir, seed=0, ds_file=ds_file)
+    with pytest.raises(ValueError, match="one mini-batch"):
+        update_on_rollout(actor, critic, random_experience(50), settings=SETTINGS, value_weights=torch.ones(1), value_clip=0.2, ppo_epochs=1,
+                          mini_batch_size=4, max_tokens=24, pad_id=0, train_actor=True, share_prompts=True, seed=0, poison=False,
+                          after_step=lambda engine, name: None, values_gae=gae_settings)
+
+
+def test_dropout_anywhere_means_train_mode_differs(tiny_model_dir):
+    from engine.runtime.models import load_value_model, trains_as_it_evaluates
+
+    model = load_value_model(str(tiny_model_dir), ["value"])
+    assert trains_as_it_evaluates(model)
+    model.config.attention_dropout = 0.1
+    assert not trains_as_it_evaluates(model)
+    model.config.attention_dropout = 0.0
+    model.dropout.p = 0.1  # the token-classification head's
+    assert not trains_as_it_evaluates(model)

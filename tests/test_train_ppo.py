@@ -193,8 +193,9 @@ def test_nan_steps_are_skipped_and_a_reward_drop_rolls_back_once(tiny_model_dir,
     assert (run / "actor" / "model.safetensors").exists()
 
 
-# Dual clip, k3 KL, and old log-probs from vLLM after the first iteration's check.
-TWO_RANK_ARGS = ("--ppo.clip_ratio_c", "3.0", "--ppo.kl_estimator", "k3", "--ppo.old_logprobs_from", "sampler")
+# Dual clip, k3 KL, old log-probs from vLLM after the first iteration's check, and (the rollout as one
+# mini-batch) the critic's values from its first step.
+TWO_RANK_ARGS = ("--ppo.clip_ratio_c", "3.0", "--ppo.kl_estimator", "k3", "--ppo.old_logprobs_from", "sampler", "--ppo.mini_batch_size", "64")
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +204,8 @@ def two_ranks_vllm(tiny_model_dir, rm_run, rm_data, tmp_path_factory):
     root, (rm_root, _) = tmp_path_factory.mktemp("ppo_two_ranks"), rm_run
     config = write_ppo_config(root / "ppo.json", tiny_model_dir, rm_root / "run" / "model", rm_data, root / "run",
                               train__iterations=2, train__eval_every=0, checkpoint__every_steps=1)
-    launch("train_ppo.py", config, *TWO_RANK_ARGS, ranks=2)
+    result = launch("train_ppo.py", config, *TWO_RANK_ARGS, ranks=2)
+    assert "critic values from the first critic step" in result.stdout
     return root
 
 

@@ -33,7 +33,7 @@ from engine.ppo.experience import OldLogprobSource, make_experience
 from engine.ppo.losses import AdaptiveKLController, FixedKLController
 from engine.ppo.monitors import HackingMonitor
 from engine.ppo.rewards import RewardScorer
-from engine.ppo.update import PolicyLossSettings, global_token_count, update_on_rollout
+from engine.ppo.update import GaeSettings, PolicyLossSettings, global_token_count, update_on_rollout
 from engine.rollout.sampler import HFSampler, SamplingSettings, VLLMSampler
 from engine.run_config import PPOConfig
 from engine.runtime.deepspeed_glue import (
@@ -52,7 +52,7 @@ from engine.runtime.guards import KLGuard, NonFiniteGuard, RollbackGuard
 from engine.runtime.launch import run_main, start_run
 from engine.runtime.lifecycle import RunEnded, RunLifecycle
 from engine.runtime.lora import ReferenceView, adapters_disabled, add_adapters
-from engine.runtime.models import load_causal_lm, load_value_model
+from engine.runtime.models import load_causal_lm, load_value_model, trains_as_it_evaluates
 from engine.runtime.preflight import check_lora_targets, check_reward_model, check_vllm_can_run, load_tokenizer
 
 
@@ -143,6 +143,15 @@ def held_out_eval(evaluator: HeldOutEvaluator, sampler, engines: HybridEngine, m
     return {f"eval/{k}": v for k, v in result.items()}
 
 
+def values_from_update(cfg: PPOConfig, critic) -> GaeSettings | None:
+    """GAE's settings when the first critic step's forward gives the rollout's values exactly
+    (ppo.old_values_from update; the rollout is one mini-batch; the critic has no dropout), else None."""
+    one_mini_batch = cfg.ppo.mini_batch_size == cfg.rollout.prompts_per_iteration * cfg.rollout.samples_per_prompt
+    if cfg.ppo.old_values_from != "update" or critic is None or not one_mini_batch or not trains_as_it_evaluates(critic.module):
+        return None
+    return GaeSettings(cfg.ppo.gamma, cfg.ppo.lam, cfg.ppo.whiten_advantages)
+
+
 def ppo_iteration(cfg: PPOConfig, iteration: int, prompts: list, sampler, sampling: SamplingSettings, engines: HybridEngine,
                   tokenizer, kl_coef: float, experience_kw: dict, update_kw: dict, after_step, old_from_sampler: bool) -> dict[str, float]:
     """One iteration on this rank's ``prompts``: generate -> make experience -> PPO epochs -> sync the
@@ -222,9 +231,11 @@ def main() -> int:
     run.start(engines={"actor": engines.actor} | ({"critic": engines.critic} if engines.critic is not None else {}), lr_engine=engines.actor, export_engine=engines.actor,
               config=config_to_dict(cfg), total_steps=iterations, use_tensorboard=cfg.logging.tensorboard,
               use_wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project, progress_bar=cfg.logging.progress_bar, desc="ppo")
+    values_gae = values_from_update(cfg, engines.critic)
     if rank == 0:
         print(f"train_ppo: {len(prompts)} prompts, {iterations} iterations, {world} rank(s), sampler {cfg.rollout.sampler}, "
               f"actor {describe_engine(engines.actor)}"
+              + (f", critic values from {'the first critic step' if values_gae else 'an experience forward'}" if engines.critic else "")
               + (f", resumed at iteration {run.step} from {run.resume_from}" if run.resume_from else ""))
     sampling = SamplingSettings(cfg.rollout.samples_per_prompt, cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens)
     evaluator = HeldOutEvaluator(eval_prompts, tokenizer, scorer, sampling, cfg.ppo.max_tokens_per_micro_batch,
@@ -238,10 +249,10 @@ def main() -> int:
                          tokenizer=tokenizer, max_tokens=cfg.ppo.max_tokens_per_micro_batch, kl_estimator=cfg.ppo.kl_estimator,
                          gamma=cfg.ppo.gamma, lam=cfg.ppo.lam, whiten_advantages=cfg.ppo.whiten_advantages,
                          advantage_estimator=cfg.ppo.advantage_estimator, group_size=cfg.rollout.samples_per_prompt, tis_cap=cfg.ppo.tis_cap,
-                         share_prompts=cfg.ppo.share_prompt)
+                         share_prompts=cfg.ppo.share_prompt, values_from_update=values_gae is not None)
     update_kw = dict(settings=settings, value_weights=value_weights, value_clip=cfg.ppo.value_clip, ppo_epochs=cfg.ppo.ppo_epochs,
                      mini_batch_size=cfg.ppo.mini_batch_size, max_tokens=cfg.ppo.max_tokens_per_micro_batch,
-                     pad_id=tokenizer.pad_token_id, share_prompts=cfg.ppo.share_prompt)
+                     pad_id=tokenizer.pad_token_id, share_prompts=cfg.ppo.share_prompt, values_gae=values_gae)
     per_rank, metrics = cfg.rollout.prompts_per_iteration // world, {}
     try:
         if evaluator:

@@ -160,6 +160,7 @@ class Experience:
     scores: torch.Tensor  # (B,) final sequence score (reward model + rules + penalties)
     kl: torch.Tensor  # (B, T) per-token KL estimate vs the reference
     is_weights: torch.Tensor  # (B, T) truncated importance weight of each token's policy loss (ones without ppo.tis_cap)
+    rewards: torch.Tensor  # (B, T) token rewards: the score on the last token, minus the KL penalty on every token
 
     def select(self, rows: Sequence[int]) -> "Experience":
         idx = torch.tensor(list(rows), dtype=torch.long)
@@ -167,7 +168,7 @@ class Experience:
             sequences=[self.sequences[i] for i in rows],
             prompt_lens=[self.prompt_lens[i] for i in rows],
             **{f: getattr(self, f)[idx] for f in ("mask", "old_logprobs", "ref_logprobs", "old_values", "advantages", "returns", "scores", "kl",
-                                                "is_weights")},
+                                                "is_weights", "rewards")},
         )
 
 
@@ -193,10 +194,11 @@ def make_experience(
     old_logprobs_from_sampler: bool = False,
     tis_cap: float | None = None,
     share_prompts: bool = True,
+    values_from_update: bool = False,
 ) -> tuple[Experience, dict[str, float]]:
     """Score and evaluate one rank's samples (``prompt_messages[i]`` is sample i's prompt).
 
-    Four forwards in packed micro-batches of at most ``max_tokens``: actor and reference
+    Up to four forwards in packed micro-batches of at most ``max_tokens``: actor and reference
     log-probs, critic values (``critic`` None: a critic-free estimator, no forward), reward-model
     scores; then the per-token KL to the reference (``kl_coef`` 0: none in the reward) and the
     advantages (:func:`engine.ppo.losses.estimate_advantages`; whitening over all ranks; the
@@ -205,7 +207,9 @@ def make_experience(
     the sampler-actor gap is not measured. ``tis_cap``: weight each token's policy loss by
     :func:`engine.ppo.losses.truncated_is_weights` of the actor's over the sampler's log-probs.
     ``share_prompts``: the samples of a prompt compute it once in each forward (where the
-    model's attention allows; the scorer decides for the reward model).
+    model's attention allows; the scorer decides for the reward model). ``values_from_update``: no
+    critic forward here; the first critic step computes the values on the same weights and
+    fills in values, advantages and returns (engine/ppo/update.update_on_rollout), zeros until then.
     Returns the experience and this rank's rollout statistics (means over its samples).
     """
     pad = tokenizer.pad_token_id
@@ -218,16 +222,16 @@ def make_experience(
     old_logprobs = (sampler_logprobs if old_logprobs_from_sampler
                     else pad_right(sequence_logprobs(actor, sequences, prompt_lens, **forward), T))  # (B, T)
     ref_logprobs = pad_right(sequence_logprobs(ref, sequences, prompt_lens, **forward), T)  # (B, T)
-    values = (pad_right(sequence_values(critic, sequences, prompt_lens, value_weights, **forward), T) if critic is not None
-              else torch.zeros(len(samples), T))  # (B, T)
+    values = (pad_right(sequence_values(critic, sequences, prompt_lens, value_weights, **forward), T)
+              if critic is not None and not values_from_update else torch.zeros(len(samples), T))  # (B, T)
     texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
     scores, parts = scorer.score(prompt_messages, texts, [s.finished for s in samples])  # (B,)
     kl = kl_penalty(old_logprobs, ref_logprobs, kl_estimator) * mask
     rewards = token_rewards(scores, kl, mask, kl_coef)
-    advantages, returns = estimate_advantages(advantage_estimator, rewards, values, mask, gamma, lam, group_size, whiten_advantages,
-                                              group=torch.distributed.group.WORLD)
+    advantages, returns = (torch.zeros_like(rewards), torch.zeros_like(rewards)) if values_from_update else estimate_advantages(
+        advantage_estimator, rewards, values, mask, gamma, lam, group_size, whiten_advantages, group=torch.distributed.group.WORLD)
     is_weights = truncated_is_weights(old_logprobs, sampler_logprobs, tis_cap) * mask if tis_cap else mask.float()  # (B, T)
-    exp = Experience(sequences, prompt_lens, mask, old_logprobs, ref_logprobs, values, advantages, returns, scores, kl, is_weights)
+    exp = Experience(sequences, prompt_lens, mask, old_logprobs, ref_logprobs, values, advantages, returns, scores, kl, is_weights, rewards)
     stats = {
         "score": scores.mean().item(),
         "kl": kl.sum(1).mean().item(),  # per sequence

@@ -15,7 +15,7 @@ import torch
 from engine.data.batching import token_mean_scale
 from engine.data.packing import PackedBatch, dummy_forward_loss, packed_forward
 from engine.ppo.experience import Experience, micro_batches, pad_right, response_logprobs, response_values
-from engine.ppo.losses import PolicyLoss, clipped_policy_loss, clipped_value_loss, dual_clip_policy_loss, kl_penalty
+from engine.ppo.losses import PolicyLoss, clipped_policy_loss, clipped_value_loss, dual_clip_policy_loss, estimate_advantages, gae, kl_penalty
 from engine.runtime.distributed import all_reduce
 
 
@@ -33,6 +33,15 @@ class PolicyLossSettings:
         if self.clip_ratio_c is None:
             return clipped_policy_loss(logprobs, old_logprobs, advantages, self.clip_low, self.clip_high)
         return dual_clip_policy_loss(logprobs, old_logprobs, advantages, self.clip_low, self.clip_high, self.clip_ratio_c)
+
+
+@dataclass(frozen=True)
+class GaeSettings:
+    """GAE's parameters, for a rollout whose critic values come from the first critic step."""
+
+    gamma: float
+    lam: float
+    whiten: bool
 
 
 class ActorLoss(NamedTuple):
@@ -60,15 +69,18 @@ def actor_metric_names(settings: PolicyLossSettings) -> list[str]:
         "kl_loss"] * bool(settings.kl_loss_coef)
 
 
-def _micro_batches(engine, batch: Experience, max_tokens: int, pad_id: int, share_prompts: bool) -> Iterator[tuple[Experience, PackedBatch]]:
-    """This rank's packed micro-batches (the samples of a prompt sharing it where ``share_prompts``
-    and the attention allows); a dummy one (no samples left here) runs its zero-loss
-    forward/backward inside, so every rank makes the same number of ZeRO collectives."""
+def _micro_batches(
+    engine, batch: Experience, max_tokens: int, pad_id: int, share_prompts: bool
+) -> Iterator[tuple[list[int], Experience, PackedBatch]]:
+    """This rank's packed micro-batches ``(rows of batch, their experience, packed)`` (the samples
+    of a prompt sharing it where ``share_prompts`` and the attention allows); a dummy one (no
+    samples left here) runs its zero-loss forward/backward inside, so every rank makes the same
+    number of ZeRO collectives."""
     for indices, packed in micro_batches(engine, batch.sequences, batch.prompt_lens, max_tokens, pad_id, share_prompts):
         if not indices:
             engine.backward(dummy_forward_loss(engine, pad_id))
             continue
-        yield batch.select(indices), packed
+        yield indices, batch.select(indices), packed
 
 
 def global_token_count(mask: torch.Tensor) -> int:
@@ -86,7 +98,7 @@ def actor_step(
     scale = token_mean_scale(global_token_count(batch.mask), world)
     names = actor_metric_names(settings)
     sums = torch.zeros(len(names) + 1, dtype=torch.float64)  # token sums of each statistic, then the token count
-    for mb, packed in _micro_batches(engine, batch, max_tokens, pad_id, share_prompts):
+    for _, mb, packed in _micro_batches(engine, batch, max_tokens, pad_id, share_prompts):
         T = mb.mask.shape[1]
         logprobs, entropy = response_logprobs(engine, packed, mb.prompt_lens, with_entropy=True, entropy_grad=settings.entropy_coef != 0)
         logprobs, entropy = pad_right(logprobs, T), pad_right(entropy, T)  # (b, T) each
@@ -103,14 +115,22 @@ def actor_step(
 
 
 def critic_step(
-    engine, batch: Experience, value_weights: torch.Tensor, value_clip: float, max_tokens: int, pad_id: int, share_prompts: bool = True
+    engine, batch: Experience, value_weights: torch.Tensor, value_clip: float, max_tokens: int, pad_id: int, share_prompts: bool = True,
+    values_gae: GaeSettings | None = None,
 ) -> dict[str, float]:
-    """Clipped value loss around the rollout's values; returns summed stats."""
+    """Clipped value loss around the rollout's values; returns summed stats. ``values_gae``: the
+    rollout's values are this step's own (its weights sampled the rollout): each micro-batch's
+    forward sets ``batch.old_values`` and GAE's ``batch.returns`` of its rows (GAE runs within a
+    sequence) before its loss."""
     world = torch.distributed.get_world_size()
     scale = token_mean_scale(global_token_count(batch.mask), world)
     sums = torch.zeros(4, dtype=torch.float64)  # vf_loss, clipped tokens, value, tokens
-    for mb, packed in _micro_batches(engine, batch, max_tokens, pad_id, share_prompts):
+    for rows, mb, packed in _micro_batches(engine, batch, max_tokens, pad_id, share_prompts):
         values = pad_right(response_values(packed_forward(engine, packed), packed, mb.prompt_lens, value_weights), mb.mask.shape[1])
+        if values_gae is not None:
+            mb.old_values = values.detach()
+            mb.returns = gae(mb.rewards, mb.old_values, mb.mask, values_gae.gamma, values_gae.lam)[1]
+            batch.old_values[rows], batch.returns[rows] = mb.old_values, mb.returns
         vf = clipped_value_loss(values, mb.old_values, mb.returns, value_clip)
         mask = mb.mask.float()
         engine.backward((vf.loss * mask).sum() * scale)
@@ -144,28 +164,40 @@ def update_on_rollout(
     seed: int,
     poison: bool,
     after_step: Callable[[object, str], None],
+    values_gae: GaeSettings | None = None,
 ) -> dict[str, float]:
     """``ppo_epochs`` passes over this rank's rollout in shuffled mini-batches of
     ``mini_batch_size`` sequences over all ranks (the same shuffle for a given ``seed``): a critic
     step (none when ``critic`` is None: a critic-free estimator), then an actor step unless
     ``train_actor`` is false (critic warm-up). ``share_prompts``: the samples of a prompt that fall
     in one mini-batch compute it once.
-    ``after_step(engine, name)`` runs after each optimizer step (the non-finite guard). Returns
-    each statistic's mean over the mini-batches."""
+    ``after_step(engine, name)`` runs after each optimizer step (the non-finite guard).
+    ``values_gae`` (the rollout is one mini-batch, made by :func:`engine.ppo.experience.make_experience`
+    with ``values_from_update``): the first critic step's forward, on the weights that were the
+    rollout's, gives the old values; GAE's advantages and returns follow, before any actor step.
+    Returns each statistic's mean over the mini-batches."""
     for engine in (actor, critic):
         if engine is not None:
             engine.train()
     local_mb = mini_batch_size // torch.distributed.get_world_size()
     generator = torch.Generator().manual_seed(seed)
     stats: dict[str, list[float]] = {}
+    if values_gae is not None and (critic is None or local_mb < len(exp.sequences)):
+        raise ValueError("values from the update need a critic and the rollout as one mini-batch")
     for _ in range(ppo_epochs):
         perm = torch.randperm(len(exp.sequences), generator=generator).tolist()
         for k in range(0, len(perm), local_mb):
-            mb = exp.select(perm[k : k + local_mb])
+            rows = perm[k : k + local_mb]
+            mb = exp.select(rows)
             step_stats = {}
             if critic is not None:
-                step_stats = critic_step(critic, mb, value_weights, value_clip, max_tokens, pad_id, share_prompts)
+                step_stats = critic_step(critic, mb, value_weights, value_clip, max_tokens, pad_id, share_prompts, values_gae)
                 after_step(critic, "critic")
+            if values_gae is not None:
+                exp.old_values[torch.tensor(rows)] = mb.old_values
+                exp.advantages, exp.returns = estimate_advantages("gae", exp.rewards, exp.old_values, exp.mask, values_gae.gamma,
+                                                                  values_gae.lam, 1, values_gae.whiten, group=torch.distributed.group.WORLD)
+                mb, values_gae = exp.select(rows), None
             if train_actor:
                 step_stats |= actor_step(actor, mb, settings, max_tokens, pad_id, poison, share_prompts)
                 after_step(actor, "actor")

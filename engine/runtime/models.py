@@ -70,6 +70,14 @@ def load_value_model(
     )
 
 
+def trains_as_it_evaluates(model: torch.nn.Module) -> bool:
+    """No dropout anywhere (modules, LoRA adapters, the config's attention dropout): a forward in
+    train mode computes what one in eval mode does."""
+    config = getattr(model, "config", None)
+    dropouts = [v for k, v in (config.to_dict() if config is not None else {}).items() if "dropout" in k and isinstance(v, (int, float))]
+    return not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()) and not any(v > 0 for v in dropouts)
+
+
 def meta_model(path: str, value_head: bool, components: Sequence[str] | None = None, trust_remote_code: bool = False) -> PreTrainedModel:
     """The model a script would load from ``path`` (causal LM, or value model with ``value_head``),
     built on the meta device: its shapes without its weights."""

@@ -79,7 +79,7 @@ def experience(sequences, prompt_lens, old_logprobs: list[torch.Tensor], rank: i
     noise = lambda: torch.randn(B, T, generator=g) * mask  # noqa: E731
     old = pad_right(old_logprobs, T) + 0.05 * noise()  # near the policy: some ratios clip, most do not
     return Experience(sequences, prompt_lens, mask, old, old + 0.1 * noise(), noise(), noise(), noise(), torch.zeros(B), torch.zeros(B, T),
-                      mask.float())
+                      mask.float(), noise())
 
 
 def ppo_step(model_dir: str, stage: int, rank: int, share: bool, samples) -> dict:
