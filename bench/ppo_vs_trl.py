@@ -16,7 +16,9 @@ as one 64-row batch with K = 4). TRL 1.12 (the last release with PPO) runs in it
 Prints seconds per iteration (first iteration excluded as warm-up), generated tokens/s, our
 phase split and the ratio (target >= 3x; weight sync <= 5% of an iteration). Ours runs with
 ZeRO-3, ZeRO-2, and ZeRO-2 with ppo.old_logprobs_from "sampler" (the sampler's fp32 log-probs
-for the actor's experience forward, an exact shortcut that checks itself). When TRL fails
+for the actor's experience forward, an exact shortcut that checks itself); each with the default
+ppo.old_values_from "update" (the rollout is one mini-batch: the first critic step's forward gives
+the rollout's values, no critic forward in the experience phase). When TRL fails
 (e.g. out of memory), our rows are still printed. Also the model math alone
 (bench/model_math.py: plain transformers, no DeepSpeed, no sampling) and, with our sampling
 time added, the best ratio a trainer doing the same math as TRL could reach here.
