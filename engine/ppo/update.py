@@ -120,8 +120,8 @@ def critic_step(
 ) -> dict[str, float]:
     """Clipped value loss around the rollout's values; returns summed stats. ``values_gae``: the
     rollout's values are this step's own (its weights sampled the rollout): each micro-batch's
-    forward sets ``batch.old_values`` and GAE's ``batch.returns`` of its rows (GAE runs within a
-    sequence) before its loss."""
+    forward sets ``batch.old_values`` of its rows and computes GAE's returns for them (GAE runs
+    within a sequence) before its loss; the caller derives advantages and returns for the batch."""
     world = torch.distributed.get_world_size()
     scale = token_mean_scale(global_token_count(batch.mask), world)
     sums = torch.zeros(4, dtype=torch.float64)  # vf_loss, clipped tokens, value, tokens
@@ -130,7 +130,7 @@ def critic_step(
         if values_gae is not None:
             mb.old_values = values.detach()
             mb.returns = gae(mb.rewards, mb.old_values, mb.mask, values_gae.gamma, values_gae.lam)[1]
-            batch.old_values[rows], batch.returns[rows] = mb.old_values, mb.returns
+            batch.old_values[rows] = mb.old_values
         vf = clipped_value_loss(values, mb.old_values, mb.returns, value_clip)
         mask = mb.mask.float()
         engine.backward((vf.loss * mask).sum() * scale)
