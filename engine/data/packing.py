@@ -45,7 +45,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 VARLEN_SDPA = "sdpa_varlen"
@@ -72,41 +72,39 @@ def varlen_sdpa_attention(
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
     if cu_seq_lens is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    groups = getattr(module, "num_key_value_groups", 1)
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # (1, H, T, D)
+    gqa = key.shape[1] != query.shape[1]  # grouped KV heads: SDPA repeats them itself
     bounds = cu_seq_lens.tolist()
     branches = kwargs.get("packed_branches") or ((),) * (len(bounds) - 1)
     # (prefix, branches) per segment; a prompt with one branch is a plain sequence
     segments = [(n - sum(b), b) if len(b) > 1 else (n, ()) for n, b in zip((e - s for s, e in zip(bounds[:-1], bounds[1:])), branches)]
+    calls = attention_calls(bounds, SHORT_SEQUENCE_TOKENS, SHORT_BLOCK_TOKENS)
+    sizes = [sum(lengths) for _, lengths in calls]
+    sdpa = functools.partial(F.scaled_dot_product_attention, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
+    # split, not slices: a slice's backward writes a zero tensor of the whole row; split's is one cat
     out, at = [], 0
-    for start, lengths in attention_calls(bounds, SHORT_SEQUENCE_TOKENS, SHORT_BLOCK_TOKENS):
-        end, call = start + sum(lengths), tuple(segments[at : at + len(lengths)])
+    for (_, lengths), q, k, v in zip(calls, *(t.split(sizes, dim=2) for t in (query, key, value))):
+        call = tuple(segments[at : at + len(lengths)])
         at += len(lengths)
-        q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
         if len(lengths) == 1 and not call[0][1]:
-            out.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True))
+            out.append(sdpa(q, k, v, is_causal=True))
         elif len(lengths) == 1 and lengths[0] > SHORT_BLOCK_TOKENS:  # a long shared-prompt segment
-            out.append(branch_attention(q, k, v, *call[0], dropout=dropout, scaling=scaling))
+            out.append(branch_attention(q, k, v, *call[0], sdpa=sdpa))
         else:
-            mask = tree_causal(call).to(q.device)
-            out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling))
+            out.append(sdpa(q, k, v, attn_mask=tree_causal(call).to(q.device)))
     return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None  # (1, T, H, D), as transformers expects
 
 
-def branch_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, branches: tuple[int, ...], dropout: float, scaling: float | None
-) -> torch.Tensor:
+def branch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, branches: tuple[int, ...], sdpa) -> torch.Tensor:
     """Attention of one shared-prompt segment ((1, H, L, D) each) without an L x L mask: the
     prompt causally, then each branch's queries over the prompt's keys and its own (O(sum of the
-    whole sequences' L^2), less the repeated prompt)."""
-    out = [F.scaled_dot_product_attention(q[:, :, :prefix], k[:, :, :prefix], v[:, :, :prefix], dropout_p=dropout, scale=scaling,
-                                          is_causal=True)] if prefix else []
-    at = prefix
-    for n in branches:
-        keys, values = (torch.cat([t[:, :, :prefix], t[:, :, at : at + n]], dim=2) for t in (k, v))
+    whole sequences' L^2), less the repeated prompt). ``sdpa``: scaled_dot_product_attention with
+    the call's settings."""
+    sizes = [prefix, *branches]
+    (q_prompt, *q_branches), (k_prompt, *k_branches), (v_prompt, *v_branches) = (t.split(sizes, dim=2) for t in (q, k, v))
+    out = [sdpa(q_prompt, k_prompt, v_prompt, is_causal=True)] if prefix else []
+    for n, q_branch, k_branch, v_branch in zip(branches, q_branches, k_branches, v_branches):
         mask = tree_causal(((prefix, (n,)),))[prefix:].to(q.device)  # (n, prefix + n): the prompt, then causal
-        out.append(F.scaled_dot_product_attention(q[:, :, at : at + n], keys, values, attn_mask=mask, dropout_p=dropout, scale=scaling))
-        at += n
+        out.append(sdpa(q_branch, torch.cat([k_prompt, k_branch], dim=2), torch.cat([v_prompt, v_branch], dim=2), attn_mask=mask))
     return torch.cat(out, dim=2)
 
 
