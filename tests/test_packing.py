@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers.masking_utils import sdpa_mask
 
 from engine.data import packing
 from engine.data.batching import plan_micro_batches, token_mean_scale
@@ -57,6 +58,23 @@ def test_packed_logprobs_equal_padded(causal_lm):
         got = next_token_logprobs(packed_forward(causal_lm, packed), packed)
         want = padded_logprobs(causal_lm, seqs)
     assert [g.shape[0] for g in got] == [n - 1 for n in LENGTHS]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+
+
+def test_sdpa_varlen_builds_no_mask_in_packed_calls_and_sdpas_elsewhere(tiny_model_dir, monkeypatch):
+    """Inside packed_forward attention runs per sequence and transformers' (T, T) mask is not
+    built; a padded batch outside it still gets sdpa's mask (and the same log-probs)."""
+    built = []
+    monkeypatch.setattr(packing, "sdpa_mask", lambda **kw: built.append(kw["q_length"]) or sdpa_mask(**kw))
+    model = load_causal_lm(str(tiny_model_dir), attn_implementation="sdpa_varlen").eval()
+    seqs = make_sequences(LENGTHS, model.config.vocab_size)
+    packed = pack_sequences(seqs)
+    with torch.no_grad():
+        got = next_token_logprobs(packed_forward(model, packed), packed)
+        assert built == []
+        want = padded_logprobs(model, seqs)
+    assert built == [max(LENGTHS)]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
 
