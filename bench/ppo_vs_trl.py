@@ -15,7 +15,7 @@ as one 64-row batch with K = 4). TRL 1.12 (the last release with PPO) runs in it
 
 Prints seconds per iteration (first iteration excluded as warm-up), generated tokens/s, our
 phase split and the ratio (target >= 3x; weight sync <= 5% of an iteration). Ours runs with
-ZeRO-3, ZeRO-2, and ZeRO-2 with ppo.old_logprobs_from "sampler" (the sampler's fp32 log-probs
+ZeRO-3, ZeRO-2, and ZeRO-3 with ppo.old_logprobs_from "sampler" (the sampler's fp32 log-probs
 for the actor's experience forward, an exact shortcut that checks itself); each with the default
 ppo.old_values_from "update" (the rollout is one mini-batch: the first critic step's forward gives
 the rollout's values, no critic forward in the experience phase). When TRL fails
@@ -42,7 +42,7 @@ TRL_PPO_VERSION = "1.12.0"
 VARIANTS = {  # label -> train_ppo.py overrides
     "ZeRO-3": ["--deepspeed", "tiny_cpu_zero3.json"],
     "ZeRO-2": ["--deepspeed", "tiny_cpu_zero2.json"],
-    "ZeRO-2, sampler log-probs": ["--deepspeed", "tiny_cpu_zero2.json", "--ppo.old_logprobs_from", "sampler"],
+    "ZeRO-3, sampler log-probs": ["--deepspeed", "tiny_cpu_zero3.json", "--ppo.old_logprobs_from", "sampler"],
 }
 SHAPE = {"hidden-size": 128, "num-layers": 4, "num-heads": 4, "num-kv-heads": 2, "intermediate-size": 384}  # data_prep/make_tiny_model.py
 
