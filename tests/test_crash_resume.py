@@ -12,7 +12,19 @@ import subprocess
 import time
 from pathlib import Path
 
-from helpers import REPO, RM_STEPS, faults, launch, launcher_cmd, metric_series, start_launched, wait_for_step, workers, write_rm_config
+from helpers import (
+    REPO,
+    RM_STEPS,
+    assert_repeats,
+    faults,
+    launch,
+    launcher_cmd,
+    metric_series,
+    start_launched,
+    wait_for_step,
+    workers,
+    write_rm_config,
+)
 
 
 def straight_losses(rm_run) -> dict[int, float]:
@@ -27,7 +39,7 @@ def assert_resume_matches(rm_run, config: Path, run_dir: Path, expect_from: int 
         assert resumed_at == expect_from
     straight, resumed = straight_losses(rm_run), metric_series(run_dir, "rm/loss")
     assert sorted(resumed) == list(range(1, RM_STEPS + 1))
-    assert [resumed[s] for s in range(resumed_at + 1, RM_STEPS + 1)] == [straight[s] for s in range(resumed_at + 1, RM_STEPS + 1)]
+    assert_repeats(resumed, straight, range(resumed_at + 1, RM_STEPS + 1))
     return resumed_at
 
 

@@ -15,6 +15,7 @@ from helpers import (
     PPO_ITERATIONS,
     REPO,
     TASK_WORDS,
+    assert_repeats,
     faults,
     launch,
     launch_two_nodes,
@@ -33,7 +34,7 @@ from engine.observe.report import expected_plots
 
 ITERATIONS, EVERY = PPO_ITERATIONS, PPO_EVERY
 LORA = {"rank": 8, "alpha": 32.0}  # actor.lora / critic.lora of the LoRA runs
-# Every per-iteration value that must repeat exactly after a resume (timings excluded).
+# Every per-iteration value that must repeat after a resume (timings excluded; helpers.assert_repeats).
 DETERMINISTIC = ("ppo/score", "ppo/kl", "ppo/pg_loss", "ppo/vf_loss", "ppo/entropy", "ppo/response_length", "ppo/kl_coef")
 
 
@@ -155,8 +156,8 @@ def test_a_resume_from_the_last_checkpoint_repeats_the_run(ppo_run, tmp_path):
     for key in DETERMINISTIC:
         straight, resumed = metric_series(root / "run", key), metric_series(run, key)
         assert sorted(resumed) == list(range(1, ITERATIONS + 1)), key
-        assert [resumed[i] for i in range(cut + 1, ITERATIONS + 1)] == [straight[i] for i in range(cut + 1, ITERATIONS + 1)], key
-    assert metric_series(run, "eval/win_rate") == metric_series(root / "run", "eval/win_rate")
+        assert_repeats(resumed, straight, range(cut + 1, ITERATIONS + 1), key)
+    assert_repeats(metric_series(run, "eval/win_rate"), metric_series(root / "run", "eval/win_rate"))
 
 
 def test_sigterm_stops_with_a_checkpoint_and_a_report(tiny_model_dir, rm_run, rm_data, tmp_path):
@@ -231,7 +232,7 @@ def test_two_nodes_with_tensor_parallel_rollout_match_two_ranks_and_resume_exact
     one_node, two_nodes = {k: metric_series(two_ranks_vllm / "run", k) for k in DETERMINISTIC}, {}
     for key in DETERMINISTIC:
         two_nodes[key] = metric_series(tmp_path / "run", key)
-        assert two_nodes[key] == pytest.approx(one_node[key], rel=1e-5, abs=1e-6), key
+        assert_repeats(two_nodes[key], one_node[key], what=key)
     assert max(metric_series(tmp_path / "run", "ppo/sampler_logprob_gap").values()) < 1e-4  # the TP engine loads the actor's weights
     resumed = tmp_path / "resumed"
     shutil.copytree(tmp_path / "run", resumed)
@@ -241,7 +242,7 @@ def test_two_nodes_with_tensor_parallel_rollout_match_two_ranks_and_resume_exact
     results = launch_two_nodes("train_ppo.py", tmp_path / "ppo.json", tmp_path, *TWO_RANK_ARGS, "--resume")
     assert "resumed at iteration 1" in results[0].stdout
     for key in DETERMINISTIC:
-        assert metric_series(resumed, key) == two_nodes[key], key
+        assert_repeats(metric_series(resumed, key), two_nodes[key], what=key)
 
 
 def test_actor_loss_settings_change_the_actor_update_only(tiny_model_dir, rm_run, rm_data, tmp_path):
@@ -344,7 +345,7 @@ def test_lora_actor_and_critic_learn_resume_exactly_and_export_adapter_and_merge
     (tmp_path / "resume.json").write_text(json.dumps(config_data))
     assert "resumed at iteration 4" in launch("train_ppo.py", tmp_path / "resume.json", "--resume").stdout
     for key in DETERMINISTIC:
-        assert metric_series(resumed, key) == metric_series(run, key), key
+        assert_repeats(metric_series(resumed, key), metric_series(run, key), what=key)
 
     from peft import PeftModel
 

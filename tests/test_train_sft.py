@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import REPO, SFT_EVERY, SFT_STEPS, TASK_WORDS, launch, metric_series, write_sft_config
+from helpers import REPO, SFT_EVERY, SFT_STEPS, TASK_WORDS, assert_repeats, assert_same_weights, launch, metric_series, write_sft_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.observe.records import read_records
@@ -78,10 +78,10 @@ def test_resume_continues_with_identical_losses(sft_run, tmp_path):
     assert f"resumed at step {SFT_EVERY}" in result.stdout
     straight, resumed = losses(root / "run"), losses(run)
     assert sorted(resumed) == list(range(1, SFT_STEPS + 1))
-    assert [resumed[s] for s in range(SFT_EVERY + 1, SFT_STEPS + 1)] == [straight[s] for s in range(SFT_EVERY + 1, SFT_STEPS + 1)]
+    assert_repeats(resumed, straight, range(SFT_EVERY + 1, SFT_STEPS + 1))
     a = AutoModelForCausalLM.from_pretrained(tmp_path / "first_model").state_dict()
     b = AutoModelForCausalLM.from_pretrained(run / "model").state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_weights(a, b)
 
 
 def test_two_ranks_and_another_packing_follow_the_one_rank_curve(sft_run, tiny_model_dir, sft_data, tmp_path):
