@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import deepspeed
 import torch
+from deepspeed.utils import set_z3_leaf_modules
 from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 from transformers.integrations import HfDeepSpeedConfig
@@ -66,6 +67,17 @@ def load_partitioned(loader: Callable[[], PreTrainedModel], ds_config: dict[str,
     return loader(), keep_alive
 
 
+def fetch_whole_decoder_layers(model: torch.nn.Module, ds_config: dict[str, Any]) -> None:
+    """ZeRO-3: gather a decoder layer's parameters once as the layer starts rather than per
+    linear layer (DeepSpeed "leaf" modules), so ZeRO-3's fetch and release hooks run per layer.
+    On 2 cores an h128 actor's and critic's forward + backward took 0.43-0.49 s against 0.50-0.63 s.
+    The layer classes are the model's ``_no_split_modules`` (transformers' repeated blocks)."""
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    classes = list(getattr(base, "_no_split_modules", None) or [])
+    if zero_stage(ds_config) == 3 and classes:
+        set_z3_leaf_modules(model, classes, raise_if_not_found=False)
+
+
 def initialize_training_engine(
     model: PreTrainedModel,
     ds_config: dict[str, Any],
@@ -88,6 +100,7 @@ def initialize_training_engine(
         [p for p in model.parameters() if p.requires_grad], lr=lr, betas=betas, weight_decay=weight_decay, fused=True
     )
     scheduler = get_scheduler(lr_scheduler, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
+    fetch_whole_decoder_layers(model, ds_config)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
     engine.checkpoint_engine = GuardedCheckpointEngine(engine._config)  # no code runs on load; write failures agreed on
     return engine
@@ -96,6 +109,7 @@ def initialize_training_engine(
 def frozen_engine(model, ds_config):
     """A ZeRO inference engine: partitioned weights, no optimizer, no gradients."""
     model.requires_grad_(False)
+    fetch_whole_decoder_layers(model, ds_config)
     engine, *_ = deepspeed.initialize(model=model, config=ds_config)
     engine.eval()
     return engine
