@@ -110,6 +110,25 @@ def parameters(engine) -> list[torch.Tensor]:
         return [p.detach().clone() for p in params]
 
 
+def test_zero3_fetches_whole_decoder_layers_and_steps_as_zero2(deepspeed_ready, tiny_model_dir):
+    """Under ZeRO-3 each decoder layer is a DeepSpeed leaf module (one parameter fetch per layer);
+    the step it takes is ZeRO-2's."""
+    results = []
+    for ds_file in ("tiny_cpu_zero2.json", "tiny_cpu_zero3.json"):
+        actor, critic = make_engines(tiny_model_dir, seed=0, ds_file=ds_file)
+        for engine in (actor, critic):
+            leaves = [m for m in engine.module.modules() if getattr(m, "_z3_leaf", False)]
+            layers = [m for m in engine.module.modules() if type(m).__name__ in engine.module._no_split_modules]
+            assert leaves == (layers if ds_file == "tiny_cpu_zero3.json" else []) and len(layers) > 1
+        exp = random_experience(actor.module.config.vocab_size)
+        stats = actor_step(actor, exp, SETTINGS, 24, pad_id=0) | critic_step(critic, exp, torch.ones(1), value_clip=0.2, max_tokens=24, pad_id=0)
+        results.append((stats, parameters(actor) + parameters(critic)))
+    (zero2_stats, zero2), (zero3_stats, zero3) = results
+    assert all(zero3_stats[k] == pytest.approx(zero2_stats[k], rel=1e-5, abs=1e-7) for k in zero2_stats), (zero2_stats, zero3_stats)
+    diff = torch.cat([(a - b).abs().flatten() for a, b in zip(zero2, zero3)])  # Adam's sign steps, as below
+    assert diff.mean() < 1e-9 and diff.max() < 1e-4
+
+
 @pytest.mark.parametrize("max_tokens", [14, 24])
 def test_real_steps_do_not_depend_on_the_micro_batch_budget(deepspeed_ready, tiny_model_dir, max_tokens):
     """actor_step and critic_step on real DeepSpeed engines: one micro-batch, or many of at most
