@@ -87,15 +87,19 @@ def test_each_setting_changes_its_term_of_the_actor_loss():
     torch.testing.assert_close(tis.per_token, base.per_token * weights + 0.1 * kl.kl)  # the surrogate only, not the KL loss
 
 
-def make_engines(tiny_model_dir, seed: int, ds_file: str = "tiny_cpu_zero2.json"):
+def make_engines(tiny_model_dir, seed: int, ds_file: str = "tiny_cpu_zero2.json", lora_rank: int = 0):
+    """A DeepSpeed actor and critic from the tiny model (``lora_rank``: the actor trains LoRA adapters)."""
+    from engine.run_config import LoraSection
     from engine.runtime.deepspeed_glue import initialize_training_engine, training_ds_config
+    from engine.runtime.lora import add_adapters
     from engine.runtime.models import load_causal_lm, load_value_model
 
     with open(os.path.join(DS_CONFIGS_DIR, ds_file)) as f:
         ds_config = training_ds_config(json.load(f), bf16=False)
     optim = dict(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, lr_scheduler="constant", warmup_steps=0, total_steps=10)
     torch.manual_seed(seed)
-    actor = initialize_training_engine(load_causal_lm(str(tiny_model_dir)), ds_config, **optim)
+    actor = load_causal_lm(str(tiny_model_dir))
+    actor = initialize_training_engine(add_adapters(actor, LoraSection(rank=lora_rank), causal_lm=True) if lora_rank else actor, ds_config, **optim)
     torch.manual_seed(seed)
     critic = initialize_training_engine(load_value_model(str(tiny_model_dir), ["value"]), ds_config, **optim)
     return actor, critic
@@ -112,15 +116,21 @@ def parameters(engine) -> list[torch.Tensor]:
 
 def test_zero3_fetches_whole_decoder_layers_and_steps_as_zero2(deepspeed_ready, tiny_model_dir):
     """Under ZeRO-3 each decoder layer is a DeepSpeed leaf module (one parameter fetch per layer);
-    the step it takes is ZeRO-2's."""
+    the step it takes is ZeRO-2's. A LoRA actor (frozen embeddings) keeps per-module fetches, and steps."""
+    leaves = lambda engine: [m for m in engine.module.modules() if getattr(m, "_z3_leaf", False)]
+    lora, critic = make_engines(tiny_model_dir, seed=0, ds_file="tiny_cpu_zero3.json", lora_rank=8)
+    exp = random_experience(lora.module.config.vocab_size)
+    assert leaves(lora) == [] and len(leaves(critic)) > 1
+    adapters = lambda: [p for (name, _), p in zip(lora.module.named_parameters(), parameters(lora)) if ".lora_" in name]
+    before = adapters()
+    actor_step(lora, exp, SETTINGS, 24, pad_id=0)  # as leaves: RuntimeError, a released parameter read in backward
+    assert before and any(not torch.equal(a, b) for a, b in zip(before, adapters()))  # B moves (A's gradient is 0 while B is)
     results = []
     for ds_file in ("tiny_cpu_zero2.json", "tiny_cpu_zero3.json"):
         actor, critic = make_engines(tiny_model_dir, seed=0, ds_file=ds_file)
         for engine in (actor, critic):
-            leaves = [m for m in engine.module.modules() if getattr(m, "_z3_leaf", False)]
             layers = [m for m in engine.module.modules() if type(m).__name__ in engine.module._no_split_modules]
-            assert leaves == (layers if ds_file == "tiny_cpu_zero3.json" else []) and len(layers) > 1
-        exp = random_experience(actor.module.config.vocab_size)
+            assert leaves(engine) == (layers if ds_file == "tiny_cpu_zero3.json" else []) and len(layers) > 1
         stats = actor_step(actor, exp, SETTINGS, 24, pad_id=0) | critic_step(critic, exp, torch.ones(1), value_clip=0.2, max_tokens=24, pad_id=0)
         results.append((stats, parameters(actor) + parameters(critic)))
     (zero2_stats, zero2), (zero3_stats, zero3) = results

@@ -71,10 +71,15 @@ def fetch_whole_decoder_layers(model: torch.nn.Module, ds_config: dict[str, Any]
     """ZeRO-3: gather a decoder layer's parameters once as the layer starts rather than per
     linear layer (DeepSpeed "leaf" modules), so ZeRO-3's fetch and release hooks run per layer.
     On 2 cores an h128 actor's and critic's forward + backward took 0.43-0.49 s against 0.50-0.63 s.
-    The layer classes are the model's ``_no_split_modules`` (transformers' repeated blocks)."""
+    The layer classes are the model's ``_no_split_modules`` (transformers' repeated blocks).
+
+    Not for a model that trains with frozen input embeddings (LoRA): DeepSpeed releases a leaf's
+    parameters when the leaf's full backward hook fires, and with no input that needs a gradient
+    that is before the first layer's own backward has read them."""
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     classes = list(getattr(base, "_no_split_modules", None) or [])
-    if zero_stage(ds_config) == 3 and classes:
+    trains = any(p.requires_grad for p in model.parameters())
+    if zero_stage(ds_config) == 3 and classes and not (trains and not base.get_input_embeddings().weight.requires_grad):
         set_z3_leaf_modules(model, classes, raise_if_not_found=False)
 
 
