@@ -78,8 +78,10 @@ def fetch_whole_decoder_layers(model: torch.nn.Module, ds_config: dict[str, Any]
     that is before the first layer's own backward has read them."""
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     classes = list(getattr(base, "_no_split_modules", None) or [])
+    if zero_stage(ds_config) != 3 or not classes:  # ZeRO-2, or no transformers blocks (a plain torch module)
+        return
     trains_on_frozen_inputs = any(p.requires_grad for p in model.parameters()) and not base.get_input_embeddings().weight.requires_grad
-    if zero_stage(ds_config) == 3 and classes and not trains_on_frozen_inputs:
+    if not trains_on_frozen_inputs:
         set_z3_leaf_modules(model, classes, raise_if_not_found=False)
 
 
