@@ -67,7 +67,11 @@ def main() -> int:
 
     times: dict[str, list[float]] = {"experience_s": [], "train_s": []}
     for b in range(args.batches + 1):  # batch 0 warms up
-        prompt_lens = [n for n in lengths[b * PROMPTS_PER_ITERATION : (b + 1) * PROMPTS_PER_ITERATION] for _ in range(args.samples_per_prompt)]
+        prompt_lens = [
+            n
+            for n in lengths[b * PROMPTS_PER_ITERATION : (b + 1) * PROMPTS_PER_ITERATION]
+            for _ in range(args.samples_per_prompt)
+        ]
         packed = pack_sequences([torch.randint(4, vocab, (p + NEW_TOKENS,)).tolist() for p in prompt_lens])
         for key, fn in (("experience_s", experience), ("train_s", train)):
             seconds = timed(fn, packed, prompt_lens)

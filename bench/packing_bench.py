@@ -104,16 +104,28 @@ def main() -> int:
         make_tiny_model.main(["--text", str(HH), "--out", tmp, "--vocab-size", "4096", "--num-layers", "4"])
         pairs = load_pairs(tmp, args.pairs)
         model = load_value_model(tmp)  # sdpa_varlen: plain sdpa for the padded batches
-    rows = [("padded", f"batch {args.padded_batch} pairs", timed(lambda: run_padded(model, pairs, args.padded_batch), args.repeats))]
+    rows = [
+        (
+            "padded",
+            f"batch {args.padded_batch} pairs",
+            timed(lambda: run_padded(model, pairs, args.padded_batch), args.repeats),
+        )
+    ]
     for budget in map(int, args.budgets.split(",")):
         rows.append(("packed", f"<= {budget} tokens", timed(lambda: run_packed(model, pairs, budget), args.repeats)))
 
     base_tps = rows[0][2][2] / rows[0][2][0]
-    print(f"{len(pairs)} HH pairs, tiny Llama h128 L4, forward+backward of the BT loss, {torch.get_num_threads()} threads")
-    print(f"{'mode':<8}{'batching':<20}{'processed':>10}{'real':>9}{'padding':>9}{'s/epoch':>9}{'real tok/s':>12}{'vs padded':>11}")
+    print(
+        f"{len(pairs)} HH pairs, tiny Llama h128 L4, forward+backward of the BT loss, {torch.get_num_threads()} threads"
+    )
+    print(
+        f"{'mode':<8}{'batching':<20}{'processed':>10}{'real':>9}{'padding':>9}{'s/epoch':>9}{'real tok/s':>12}{'vs padded':>11}"
+    )
     for mode, desc, (seconds, processed, real) in rows:
         tps = real / seconds
-        print(f"{mode:<8}{desc:<20}{processed:>10}{real:>9}{1 - real / processed:>9.1%}{seconds:>9.2f}{tps:>12.0f}{tps / base_tps:>10.2f}x")
+        print(
+            f"{mode:<8}{desc:<20}{processed:>10}{real:>9}{1 - real / processed:>9.1%}{seconds:>9.2f}{tps:>12.0f}{tps / base_tps:>10.2f}x"
+        )
     return 0
 
 

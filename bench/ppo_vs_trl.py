@@ -48,7 +48,13 @@ VARIANTS = {  # label -> train_ppo.py overrides
     "ZeRO-2": ["--deepspeed", "tiny_cpu_zero2.json"],
     "ZeRO-3, sampler log-probs": ["--deepspeed", "tiny_cpu_zero3.json", "--ppo.old_logprobs_from", "sampler"],
 }
-SHAPE = {"hidden-size": 128, "num-layers": 4, "num-heads": 4, "num-kv-heads": 2, "intermediate-size": 384}  # data_prep/make_tiny_model.py
+SHAPE = {
+    "hidden-size": 128,
+    "num-layers": 4,
+    "num-heads": 4,
+    "num-kv-heads": 2,
+    "intermediate-size": 384,
+}  # data_prep/make_tiny_model.py
 
 
 def write_run_prompts(source: Path, count: int, out: Path, out_in_order: Path) -> None:
@@ -65,9 +71,13 @@ def main() -> int:
     parser.add_argument("--samples-per-prompt", type=int, default=1)
     for flag, default in SHAPE.items():
         parser.add_argument(f"--{flag}", type=int, default=default, help="of the model built for the run")
-    parser.add_argument("--trl-micro-batch", type=int, default=16, help="rows per TRL forward/backward (0: the whole iteration)")
+    parser.add_argument(
+        "--trl-micro-batch", type=int, default=16, help="rows per TRL forward/backward (0: the whole iteration)"
+    )
     parser.add_argument("--peer-venv", default=str(REPO / "bench" / ".peer-trl112"))
-    parser.add_argument("--repeats", type=int, default=1, help="rounds of every trainer; figures are the rounds' medians")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="rounds of every trainer; figures are the rounds' medians"
+    )
     args = parser.parse_args()
     k = args.samples_per_prompt
     shape = [a for flag in SHAPE for a in (f"--{flag}", str(getattr(args, flag.replace("-", "_"))))]
@@ -78,9 +88,37 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model, data, py = work / "tiny", work / "data", sys.executable
-        run([py, "-m", "data_prep.make_tiny_model", "--text", str(HH), "--out", str(model), "--vocab-size", "4096", *shape])
-        run([py, "-m", "data_prep.prepare_preferences", "--input", str(HH), "--tokenizer", str(model), "--out", str(data),
-             "--max-prompt-length", "256", "--max-length", "512"])
+        run(
+            [
+                py,
+                "-m",
+                "data_prep.make_tiny_model",
+                "--text",
+                str(HH),
+                "--out",
+                str(model),
+                "--vocab-size",
+                "4096",
+                *shape,
+            ]
+        )
+        run(
+            [
+                py,
+                "-m",
+                "data_prep.prepare_preferences",
+                "--input",
+                str(HH),
+                "--tokenizer",
+                str(model),
+                "--out",
+                str(data),
+                "--max-prompt-length",
+                "256",
+                "--max-length",
+                "512",
+            ]
+        )
         rm_config = {
             "model": {"path": str(model)},
             "data": {"train": str(data / "train.parquet"), "validation": str(data / "validation.parquet")},
@@ -94,33 +132,108 @@ def main() -> int:
         prompts, in_order = work / "prompts.parquet", work / "prompts_in_order.parquet"
         write_run_prompts(data / "prompts_train.parquet", 16 * args.iterations, prompts, in_order)
         ppo_overrides = [
-            "--actor.path", str(model), "--reward_model.path", str(work / "rm" / "model"),
-            "--data.prompts", str(prompts), "--data.eval_prompts", "", "--train.seed", "0",
-            "--rollout.samples_per_prompt", str(k), "--rollout.max_new_tokens", "64", "--ppo.mini_batch_size", str(16 * k),
-            "--ppo.max_tokens_per_micro_batch", "4096",
-            "--rollout.vllm_max_model_len", "512", "--train.iterations", str(args.iterations), "--train.eval_every", "0",
-            "--checkpoint.every_steps", "0", "--logging.wandb", "false",
-            "--logging.tensorboard", "false", "--logging.progress_bar", "false",
+            "--actor.path",
+            str(model),
+            "--reward_model.path",
+            str(work / "rm" / "model"),
+            "--data.prompts",
+            str(prompts),
+            "--data.eval_prompts",
+            "",
+            "--train.seed",
+            "0",
+            "--rollout.samples_per_prompt",
+            str(k),
+            "--rollout.max_new_tokens",
+            "64",
+            "--ppo.mini_batch_size",
+            str(16 * k),
+            "--ppo.max_tokens_per_micro_batch",
+            "4096",
+            "--rollout.vllm_max_model_len",
+            "512",
+            "--train.iterations",
+            str(args.iterations),
+            "--train.eval_every",
+            "0",
+            "--checkpoint.every_steps",
+            "0",
+            "--logging.wandb",
+            "false",
+            "--logging.tensorboard",
+            "false",
+            "--logging.progress_bar",
+            "false",
         ]
+
         def run_ours(label: str, out: Path) -> list[dict]:
-            run([launcher, "--num_gpus", "1", "train/train_ppo.py", "--config", "ds_configs/demo_ppo.json", *ppo_overrides,
-                 *VARIANTS[label], "--logging.output_dir", str(out)])
+            run(
+                [
+                    launcher,
+                    "--num_gpus",
+                    "1",
+                    "train/train_ppo.py",
+                    "--config",
+                    "ds_configs/demo_ppo.json",
+                    *ppo_overrides,
+                    *VARIANTS[label],
+                    "--logging.output_dir",
+                    str(out),
+                ]
+            )
             return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
 
         def run_trl(out: Path) -> tuple[float | None, str]:
-            trl = run_process([str(peer_python), "bench/peers/trl_ppo.py", "--actor", str(model), "--reward", str(work / "rm" / "model"),
-                               "--prompts", str(in_order), "--out", str(out), "--iterations", str(args.iterations),
-                               "--samples-per-prompt", str(k), "--micro-batch", str(args.trl_micro_batch)], WANDB_MODE="disabled")
+            trl = run_process(
+                [
+                    str(peer_python),
+                    "bench/peers/trl_ppo.py",
+                    "--actor",
+                    str(model),
+                    "--reward",
+                    str(work / "rm" / "model"),
+                    "--prompts",
+                    str(in_order),
+                    "--out",
+                    str(out),
+                    "--iterations",
+                    str(args.iterations),
+                    "--samples-per-prompt",
+                    str(k),
+                    "--micro-batch",
+                    str(args.trl_micro_batch),
+                ],
+                WANDB_MODE="disabled",
+            )
             results = [line for line in trl.stdout.splitlines() if line.startswith("{")]
             if results and not trl.returncode:
                 return statistics.mean(json.loads(results[-1])["iteration_seconds"][1:]), ""
             last = (trl.stderr.strip().splitlines() or ["no message"])[-1]
-            return None, f"exit {trl.returncode} ({'killed (SIGKILL): out of memory?' if trl.returncode == -9 else last})"
+            return (
+                None,
+                f"exit {trl.returncode} ({'killed (SIGKILL): out of memory?' if trl.returncode == -9 else last})",
+            )
 
         def run_math() -> dict:
-            return json.loads(run([py, "bench/model_math.py", "--actor", str(model), "--reward", str(work / "rm" / "model"),
-                                   "--prompts", str(in_order), "--batches", str(args.iterations - 1), "--samples-per-prompt", str(k)],
-                                  PYTHONPATH=str(REPO)).splitlines()[-1])
+            return json.loads(
+                run(
+                    [
+                        py,
+                        "bench/model_math.py",
+                        "--actor",
+                        str(model),
+                        "--reward",
+                        str(work / "rm" / "model"),
+                        "--prompts",
+                        str(in_order),
+                        "--batches",
+                        str(args.iterations - 1),
+                        "--samples-per-prompt",
+                        str(k),
+                    ],
+                    PYTHONPATH=str(REPO),
+                ).splitlines()[-1]
+            )
 
         # Each round runs every trainer once, the order rotated by one per round: drift of this
         # machine's speed over minutes then falls on each trainer alike.
@@ -129,7 +242,7 @@ def main() -> int:
         floors: list[dict] = []
         jobs = [*VARIANTS, "TRL", "math"]
         for r in range(args.repeats):
-            for n, job in enumerate(jobs[r % len(jobs):] + jobs[: r % len(jobs)]):
+            for n, job in enumerate(jobs[r % len(jobs) :] + jobs[: r % len(jobs)]):
                 out = work / f"run-{r}-{n}"
                 if job == "TRL":
                     seconds, trl_failure = run_trl(out)
@@ -139,36 +252,55 @@ def main() -> int:
                 else:
                     ours[job].append(run_ours(job, out))
 
-    print(f"PPO, Llama h{args.hidden_size} L{args.num_layers} (heads {args.num_heads}/{args.num_kv_heads}, i{args.intermediate_size}, 4k BPE) "
-          f"on HH harmless prompts; 16 prompts x {k} sample(s) x 64 new tokens per iteration, mean of iterations 2-{args.iterations}"
-          + (f"; median of {args.repeats} rounds (min-max)" if args.repeats > 1 else ""))
-    print(f"{'trainer':<36}{'s/iteration':>12}{'gen tok/s':>11}{'vs TRL':>8}   phases (generate / experience / train / sync)")
+    print(
+        f"PPO, Llama h{args.hidden_size} L{args.num_layers} (heads {args.num_heads}/{args.num_kv_heads}, i{args.intermediate_size}, 4k BPE) "
+        f"on HH harmless prompts; 16 prompts x {k} sample(s) x 64 new tokens per iteration, mean of iterations 2-{args.iterations}"
+        + (f"; median of {args.repeats} rounds (min-max)" if args.repeats > 1 else "")
+    )
+    print(
+        f"{'trainer':<36}{'s/iteration':>12}{'gen tok/s':>11}{'vs TRL':>8}   phases (generate / experience / train / sync)"
+    )
     if None in trl_s:
         print(f"TRL {TRL_PPO_VERSION} PPOTrainer failed: {trl_failure}; our rows without a ratio")
         trl_s = []
     else:
-        print(f"{'TRL ' + TRL_PPO_VERSION + ' PPOTrainer':<36}{statistics.median(trl_s):>12.3f}{16 * k * 64 / statistics.median(trl_s):>11.0f}"
-              f"{1:>7.2f}x   (tok/s: upper bound, 64/response)" + (f"; {spread(trl_s)}" if args.repeats > 1 else ""))
+        print(
+            f"{'TRL ' + TRL_PPO_VERSION + ' PPOTrainer':<36}{statistics.median(trl_s):>12.3f}{16 * k * 64 / statistics.median(trl_s):>11.0f}"
+            f"{1:>7.2f}x   (tok/s: upper bound, 64/response)" + (f"; {spread(trl_s)}" if args.repeats > 1 else "")
+        )
     for label, runs in ours.items():
+
         def per_run(key: str) -> list[float]:  # each round's mean over its iterations
             return [statistics.mean(r[key] for r in rows) for rows in runs]
 
         seconds = per_run("timing/iteration_s")
         median = statistics.median(seconds)
-        phases = " / ".join(f"{statistics.median(per_run(f'timing/{p}_s')):.3f}" for p in ("generate", "make_experience", "train", "sync"))
+        phases = " / ".join(
+            f"{statistics.median(per_run(f'timing/{p}_s')):.3f}"
+            for p in ("generate", "make_experience", "train", "sync")
+        )
         ratios = [t / s for t, s in zip(trl_s, seconds)]  # each round's own pair
         ratio = f"{statistics.median(ratios):>7.2f}x" if ratios else f"{'-':>8}"
         tokens = statistics.median(per_run("ppo/response_length"))
-        print(f"{'train_ppo.py (' + label + ')':<36}{median:>12.3f}{16 * k * tokens / median:>11.0f}"
-              f"{ratio}   {phases} s; sync {statistics.median(per_run('timing/sync_s')) / median:.1%}"
-              + (f"; {spread(seconds)}, ratio {spread(ratios, 'x')}" if args.repeats > 1 else ""))
+        print(
+            f"{'train_ppo.py (' + label + ')':<36}{median:>12.3f}{16 * k * tokens / median:>11.0f}"
+            f"{ratio}   {phases} s; sync {statistics.median(per_run('timing/sync_s')) / median:.1%}"
+            + (f"; {spread(seconds)}, ratio {spread(ratios, 'x')}" if args.repeats > 1 else "")
+        )
     experience_s, train_s = (statistics.median(f[key] for f in floors) for key in ("experience_s", "train_s"))
-    generate_s = min(statistics.median(statistics.mean(r["timing/generate_s"] for r in rows) for rows in runs) for runs in ours.values())
-    print(f"{'model math alone (plain HF)':<36}{experience_s + train_s:>12.3f}{'':>11}{'':>8}   - / {experience_s:.3f} / {train_s:.3f} / - s")
+    generate_s = min(
+        statistics.median(statistics.mean(r["timing/generate_s"] for r in rows) for rows in runs)
+        for runs in ours.values()
+    )
+    print(
+        f"{'model math alone (plain HF)':<36}{experience_s + train_s:>12.3f}{'':>11}{'':>8}   - / {experience_s:.3f} / {train_s:.3f} / - s"
+    )
     if trl_s:
         floor_s = experience_s + train_s + generate_s
-        print(f"floor: model math + our fastest sampling = {floor_s:.3f} s/iteration, "
-              f"at most {statistics.median(trl_s) / floor_s:.2f}x TRL for a trainer doing TRL's math")
+        print(
+            f"floor: model math + our fastest sampling = {floor_s:.3f} s/iteration, "
+            f"at most {statistics.median(trl_s) / floor_s:.2f}x TRL for a trainer doing TRL's math"
+        )
     return 0
 
 

@@ -95,23 +95,78 @@ def main() -> int:
         if args.data == "synthetic":
             source = work / "pairs.jsonl"
             run([py, "-m", "data_prep.synthetic_task", "--out", str(source), "--num-pairs", "2500", "--seed", "0"])
-        run([py, "-m", "data_prep.make_tiny_model", "--text", str(source), "--out", str(model), "--vocab-size", "4096", "--num-layers", "4"])
-        run([py, "-m", "data_prep.prepare_preferences", "--input", str(source), "--tokenizer", str(model), "--out", str(data),
-             "--max-length", "512", "--max-prompt-length", "512", "--validation-fraction", "0.2"])
+        run(
+            [
+                py,
+                "-m",
+                "data_prep.make_tiny_model",
+                "--text",
+                str(source),
+                "--out",
+                str(model),
+                "--vocab-size",
+                "4096",
+                "--num-layers",
+                "4",
+            ]
+        )
+        run(
+            [
+                py,
+                "-m",
+                "data_prep.prepare_preferences",
+                "--input",
+                str(source),
+                "--tokenizer",
+                str(model),
+                "--out",
+                str(data),
+                "--max-length",
+                "512",
+                "--max-prompt-length",
+                "512",
+                "--validation-fraction",
+                "0.2",
+            ]
+        )
         summary = json.loads((data / "summary.json").read_text())
         ours = run_ours(work, model, data, epochs, per_step, lr)
-        trl_out = run([str(peer_python), "bench/peers/trl_reward.py", "--model", str(model), "--train", str(data / "train.parquet"),
-                       "--validation", str(data / "validation.parquet"), "--out", str(work / "trl"), "--batch", str(per_step),
-                       "--lr", str(lr), "--epochs", str(epochs)], WANDB_MODE="disabled")
+        trl_out = run(
+            [
+                str(peer_python),
+                "bench/peers/trl_reward.py",
+                "--model",
+                str(model),
+                "--train",
+                str(data / "train.parquet"),
+                "--validation",
+                str(data / "validation.parquet"),
+                "--out",
+                str(work / "trl"),
+                "--batch",
+                str(per_step),
+                "--lr",
+                str(lr),
+                "--epochs",
+                str(epochs),
+            ],
+            WANDB_MODE="disabled",
+        )
         trl = json.loads([line for line in trl_out.splitlines() if line.startswith("{")][-1])
 
     pairs = summary["train"] * epochs
     ours_pps, trl_pps = pairs / ours["seconds"], trl["pairs"] / trl["train_seconds"]
-    print(f"{summary['train']} {args.data} train pairs, {summary['validation']} held out; tiny Llama h128 L4; "
-          f"{epochs} epoch(s), {per_step} pairs/step")
+    print(
+        f"{summary['train']} {args.data} train pairs, {summary['validation']} held out; tiny Llama h128 L4; "
+        f"{epochs} epoch(s), {per_step} pairs/step"
+    )
     print(f"{'trainer':<28}{'train s':>9}{'pairs/s':>9}{'real tok/s':>12}{'held-out acc':>14}")
-    print(f"{'TRL ' + TRL_VERSION + ' RewardTrainer':<28}{trl['train_seconds']:>9.1f}{trl_pps:>9.1f}{'':>12}{trl['accuracy']:>14.3f}")
-    print(f"{'train_rm.py (ZeRO-2, packed)':<28}{ours['seconds']:>9.1f}{ours_pps:>9.1f}{ours['tokens'] / ours['seconds']:>12.0f}{ours['accuracy']:>14.3f}")
+    print(
+        f"{'TRL ' + TRL_VERSION + ' RewardTrainer':<28}{trl['train_seconds']:>9.1f}{trl_pps:>9.1f}{'':>12}{trl['accuracy']:>14.3f}"
+    )
+    print(
+        f"{'train_rm.py (ZeRO-2, packed)':<28}{ours['seconds']:>9.1f}{ours_pps:>9.1f}{ours['tokens'] / ours['seconds']:>12.0f}{ours['accuracy']:>14.3f}"
+    )
     print(f"speed-up: {ours_pps / trl_pps:.2f}x TRL pairs/s")
     return 0
 

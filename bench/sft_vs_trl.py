@@ -38,15 +38,40 @@ def run_ours(work: Path, model: Path, data: Path) -> dict:
         "logging": {"output_dir": str(work / "ours"), "wandb": False, "tensorboard": False, "progress_bar": False},
     }
     (work / "ours.json").write_text(json.dumps(config))
-    run([str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "1", "train/train_sft.py", "--config", str(work / "ours.json")])
+    run(
+        [
+            str(Path(sys.executable).parent / "deepspeed"),
+            "--num_gpus",
+            "1",
+            "train/train_sft.py",
+            "--config",
+            str(work / "ours.json"),
+        ]
+    )
     steps = [r for r in map(json.loads, (work / "ours" / "metrics.jsonl").read_text().splitlines()) if "sft/loss" in r]
-    return {"train_seconds": sum(r["timing/step_s"] for r in steps), "tokens": sum(r["sft/tokens"] for r in steps), "loss": steps[-1]["sft/loss"]}
+    return {
+        "train_seconds": sum(r["timing/step_s"] for r in steps),
+        "tokens": sum(r["sft/tokens"] for r in steps),
+        "loss": steps[-1]["sft/loss"],
+    }
 
 
 def run_trl(peer_python: Path, work: Path, model: Path, data: Path, packing: bool) -> dict:
     extra = ["--packing", "--batch", "1", "--max-length", "3072"] if packing else ["--batch", str(PER_STEP)]
-    out = run([str(peer_python), "bench/peers/trl_sft.py", "--model", str(model), "--train", str(data / "sft_train.parquet"),
-               "--out", str(work / f"trl_{packing}"), *extra], WANDB_MODE="disabled")
+    out = run(
+        [
+            str(peer_python),
+            "bench/peers/trl_sft.py",
+            "--model",
+            str(model),
+            "--train",
+            str(data / "sft_train.parquet"),
+            "--out",
+            str(work / f"trl_{packing}"),
+            *extra,
+        ],
+        WANDB_MODE="disabled",
+    )
     return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
 
 
@@ -61,9 +86,38 @@ def main() -> int:
         work = Path(tmp)
         model, data = work / "tiny", work / "data"
         py = sys.executable
-        run([py, "-m", "data_prep.make_tiny_model", "--text", str(HH), "--out", str(model), "--vocab-size", "4096", "--num-layers", "4"])
-        run([py, "-m", "data_prep.prepare_sft", "--input", str(HH), "--tokenizer", str(model), "--out", str(data),
-             "--max-length", "1024", "--validation-fraction", "0"])
+        run(
+            [
+                py,
+                "-m",
+                "data_prep.make_tiny_model",
+                "--text",
+                str(HH),
+                "--out",
+                str(model),
+                "--vocab-size",
+                "4096",
+                "--num-layers",
+                "4",
+            ]
+        )
+        run(
+            [
+                py,
+                "-m",
+                "data_prep.prepare_sft",
+                "--input",
+                str(HH),
+                "--tokenizer",
+                str(model),
+                "--out",
+                str(data),
+                "--max-length",
+                "1024",
+                "--validation-fraction",
+                "0",
+            ]
+        )
         results = {
             f"TRL {TRL_VERSION} SFTTrainer, padded": run_trl(peer_python, work, model, data, packing=False),
             f"TRL {TRL_VERSION} SFTTrainer, packed": run_trl(peer_python, work, model, data, packing=True),

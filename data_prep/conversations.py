@@ -32,13 +32,18 @@ def parse_conversation_row(row: Any) -> list[Message]:
         messages, where = parse_messages(row["messages"], "messages", allow_string=False), "messages"
     elif row.get("prompt") is not None and response_key:
         prompt = parse_messages(row["prompt"], "prompt", allow_string=True)
-        messages, where = [*prompt, {"role": "assistant", "content": parse_response(row[response_key], response_key)}], response_key
+        messages, where = (
+            [*prompt, {"role": "assistant", "content": parse_response(row[response_key], response_key)}],
+            response_key,
+        )
     elif isinstance(row.get("chosen"), str):
         messages, where = split_hh_dialogue(row["chosen"], "chosen"), "chosen"
     elif row.get("chosen") is not None:
         messages, where = parse_messages(row["chosen"], "chosen", allow_string=False), "chosen"
     else:
-        raise InvalidRow("missing_field", "messages", "expected 'messages', 'prompt' with 'response', or a preference row's 'chosen'")
+        raise InvalidRow(
+            "missing_field", "messages", "expected 'messages', 'prompt' with 'response', or a preference row's 'chosen'"
+        )
     if messages[-1]["role"] != "assistant":
         raise InvalidRow("bad_message", where, f"the last message must be 'assistant', got {messages[-1]['role']!r}")
     if any(m["role"] == "assistant" and not m["content"].strip() for m in messages):

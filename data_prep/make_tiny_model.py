@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -110,7 +111,9 @@ def build_model(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--text", action="append", required=True, help="input whose strings train the tokenizer; repeatable")
+    parser.add_argument(
+        "--text", action="append", required=True, help="input whose strings train the tokenizer; repeatable"
+    )
     parser.add_argument("--out", required=True, help="output model directory")
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--hidden-size", type=int, default=128)

@@ -129,7 +129,11 @@ def _split_conversations(chosen: Any, rejected: Any) -> tuple[list[Message], str
         raise InvalidRow("missing_field", "prompt", "no 'prompt' and chosen/rejected share no prompt messages")
     if len(chosen_msgs) != shared + 1 or len(rejected_msgs) != shared + 1:
         raise DroppedRow("turn_mismatch")
-    return chosen_msgs[:shared], parse_response(chosen_msgs[-1:], "chosen"), parse_response(rejected_msgs[-1:], "rejected")
+    return (
+        chosen_msgs[:shared],
+        parse_response(chosen_msgs[-1:], "chosen"),
+        parse_response(rejected_msgs[-1:], "rejected"),
+    )
 
 
 def parse_messages(value: Any, field_name: str, allow_string: bool) -> list[Message]:
@@ -142,7 +146,9 @@ def parse_messages(value: Any, field_name: str, allow_string: bool) -> list[Mess
     for i, message in enumerate(value):
         where = f"{field_name}[{i}]"
         if not isinstance(message, dict):
-            raise InvalidRow("bad_message", where, f"expected an object with role/content, got {type(message).__name__}")
+            raise InvalidRow(
+                "bad_message", where, f"expected an object with role/content, got {type(message).__name__}"
+            )
         role, content = message.get("role"), message.get("content")
         if role not in ROLES:
             raise InvalidRow("bad_message", f"{where}.role", f"expected one of {ROLES}, got {role!r}")
@@ -183,7 +189,9 @@ def _parse_components(value: Any) -> dict[str, int]:
     for name, preference in value.items():
         if isinstance(preference, bool) or preference not in (-1, 0, 1):
             raise InvalidRow(
-                "bad_components", f"components.{name}", f"expected -1, 0 or 1 (which response is better), got {preference!r}"
+                "bad_components",
+                f"components.{name}",
+                f"expected -1, 0 or 1 (which response is better), got {preference!r}",
             )
         components[str(name)] = int(preference)
     return components

@@ -22,8 +22,8 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import pyarrow as pa
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -139,19 +139,23 @@ def write_prompts(rows: list[Row], path: str) -> int:
 
 def length_percentiles(rows: list[Row]) -> dict[str, dict[str, int]]:
     """p50/p90/p99/max of prompt, chosen, rejected and whole-pair token counts."""
-    return percentiles({
-        "prompt": [r.prompt_tokens for r in rows],
-        "chosen": [r.chosen_tokens for r in rows],
-        "rejected": [r.rejected_tokens for r in rows],
-        "pair": [2 * r.prompt_tokens + r.chosen_tokens + r.rejected_tokens for r in rows],
-    })
+    return percentiles(
+        {
+            "prompt": [r.prompt_tokens for r in rows],
+            "chosen": [r.chosen_tokens for r in rows],
+            "rejected": [r.rejected_tokens for r in rows],
+            "pair": [2 * r.prompt_tokens + r.chosen_tokens + r.rejected_tokens for r in rows],
+        }
+    )
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_input_arguments(parser, "pairs")
     parser.add_argument("--max-prompt-length", type=int, default=512, help="drop pairs whose prompt has more tokens")
-    parser.add_argument("--max-length", type=int, default=1024, help="drop pairs whose prompt + longer response has more tokens")
+    parser.add_argument(
+        "--max-length", type=int, default=1024, help="drop pairs whose prompt + longer response has more tokens"
+    )
     return parse_input_arguments(parser, argv)
 
 

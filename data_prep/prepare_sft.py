@@ -21,7 +21,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import pyarrow as pa
 from transformers import AutoTokenizer
@@ -41,7 +41,9 @@ from data_prep.splits import (
 )
 from engine.data.conversations import tokenize_conversations
 
-SFT_SCHEMA = pa.schema([("source", pa.string()), ("messages", MESSAGES), ("num_tokens", pa.int32()), ("trained_tokens", pa.int32())])
+SFT_SCHEMA = pa.schema(
+    [("source", pa.string()), ("messages", MESSAGES), ("num_tokens", pa.int32()), ("trained_tokens", pa.int32())]
+)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -67,21 +69,43 @@ def main(argv: Sequence[str] | None = None) -> int:
             if tokens.num_tokens > args.max_length:
                 tally.dropped["too_long"] += 1
             else:
-                rows.append({"source": source, "messages": messages, "num_tokens": tokens.num_tokens, "trained_tokens": tokens.num_trained})
+                rows.append(
+                    {
+                        "source": source,
+                        "messages": messages,
+                        "num_tokens": tokens.num_tokens,
+                        "trained_tokens": tokens.num_trained,
+                    }
+                )
     if not rows:
         print(f"error: no usable conversations in {args.input} (read {tally.read})", file=sys.stderr)
         return 2
     prompts = [r["messages"][: next(i for i, m in enumerate(r["messages"]) if m["role"] == "assistant")] for r in rows]
     in_validation = split_by_prompt(prompts, args.validation_fraction, args.seed)
-    splits = {"train": [r for i, r in enumerate(rows) if i not in in_validation], "validation": [rows[i] for i in sorted(in_validation)]}
+    splits = {
+        "train": [r for i, r in enumerate(rows) if i not in in_validation],
+        "validation": [rows[i] for i in sorted(in_validation)],
+    }
     os.makedirs(args.out, exist_ok=True)
     for split, split_rows in splits.items():
         if split_rows:
-            write_atomically(pa.Table.from_pylist(split_rows, schema=SFT_SCHEMA), os.path.join(args.out, f"sft_{split}.parquet"))
-    lengths = percentiles({"conversation": [r["num_tokens"] for r in rows], "trained": [r["trained_tokens"] for r in rows]})
-    summary = {"inputs": args.input, "tokenizer": args.tokenizer, "seed": args.seed, "read": tally.read, "kept": tally.kept,
-               **{split: len(split_rows) for split, split_rows in splits.items()},
-               "dropped": dict(tally.dropped), "invalid": dict(tally.invalid), "token_lengths": lengths}
+            write_atomically(
+                pa.Table.from_pylist(split_rows, schema=SFT_SCHEMA), os.path.join(args.out, f"sft_{split}.parquet")
+            )
+    lengths = percentiles(
+        {"conversation": [r["num_tokens"] for r in rows], "trained": [r["trained_tokens"] for r in rows]}
+    )
+    summary = {
+        "inputs": args.input,
+        "tokenizer": args.tokenizer,
+        "seed": args.seed,
+        "read": tally.read,
+        "kept": tally.kept,
+        **{split: len(split_rows) for split, split_rows in splits.items()},
+        "dropped": dict(tally.dropped),
+        "invalid": dict(tally.invalid),
+        "token_lengths": lengths,
+    }
     with open(os.path.join(args.out, "sft_summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     print(format_report(tally, len(splits["train"]), len(splits["validation"]), lengths))

@@ -13,8 +13,9 @@ import gzip
 import json
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import pyarrow.parquet as pq
 

@@ -7,8 +7,9 @@ import argparse
 import json
 import os
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -34,7 +35,9 @@ class Tally:
         return self.read - sum(self.dropped.values()) - sum(self.invalid.values())
 
 
-def read_rows(inputs: Sequence[str], split: str, skip_invalid: bool, tally: Tally, parse: Callable[[Any], T]) -> list[tuple[str, T]]:
+def read_rows(
+    inputs: Sequence[str], split: str, skip_invalid: bool, tally: Tally, parse: Callable[[Any], T]
+) -> list[tuple[str, T]]:
     """``(location, parse(row))`` of every input row; malformed rows raise DataError unless
     ``skip_invalid``; dropped and skipped rows are counted by reason."""
     parsed = []
@@ -104,14 +107,27 @@ def format_report(tally: Tally, n_train: int, n_validation: int, lengths: dict[s
 
 def add_input_arguments(parser: argparse.ArgumentParser, what: str) -> None:
     """The arguments every prepare_* script takes: inputs, tokenizer, output, split and row handling."""
-    parser.add_argument("--input", action="append", required=True, help="file (.jsonl/.jsonl.gz/.json/.parquet) or datasets name/path; repeatable")
+    parser.add_argument(
+        "--input",
+        action="append",
+        required=True,
+        help="file (.jsonl/.jsonl.gz/.json/.parquet) or datasets name/path; repeatable",
+    )
     parser.add_argument("--split", default="train", help="split to read from a datasets name/path")
-    parser.add_argument("--tokenizer", required=True, help=f"tokenizer (model dir) whose chat template renders the {what}")
+    parser.add_argument(
+        "--tokenizer", required=True, help=f"tokenizer (model dir) whose chat template renders the {what}"
+    )
     parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--validation-fraction", type=float, default=0.05,
-                        help=f"fraction of {what} held out, split by prompt (1: all of them, a validation-only file)")
+    parser.add_argument(
+        "--validation-fraction",
+        type=float,
+        default=0.05,
+        help=f"fraction of {what} held out, split by prompt (1: all of them, a validation-only file)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the train/validation split")
-    parser.add_argument("--skip-invalid", action="store_true", help="skip malformed rows (counted by reason) instead of failing")
+    parser.add_argument(
+        "--skip-invalid", action="store_true", help="skip malformed rows (counted by reason) instead of failing"
+    )
 
 
 def parse_input_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:

@@ -26,9 +26,22 @@ import json
 import os
 import random
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
-TOPICS = ["garden", "river", "library", "bicycle", "kitchen", "market", "forest", "harbor", "school", "museum", "bakery", "mountain"]
+TOPICS = [
+    "garden",
+    "river",
+    "library",
+    "bicycle",
+    "kitchen",
+    "market",
+    "forest",
+    "harbor",
+    "school",
+    "museum",
+    "bakery",
+    "mountain",
+]
 TOWNS = ["Alder", "Birchley", "Cobton", "Dunmere", "Elmsford", "Fairholt", "Glenrow", "Hallby", "Ivywick", "Juniper"]
 PROMPT_TEMPLATES = [
     "Tell me about the {topic} in {town}.",
@@ -80,7 +93,10 @@ def sample_pair(rng: random.Random) -> dict:
 def sample_demonstration(rng: random.Random) -> dict:
     """One prompt/response row for supervised fine-tuning (the response ignores the rule)."""
     topic = rng.choice(TOPICS)
-    return {"prompt": rng.choice(PROMPT_TEMPLATES).format(topic=topic, town=rng.choice(TOWNS)), "response": sample_response(rng, topic)}
+    return {
+        "prompt": rng.choice(PROMPT_TEMPLATES).format(topic=topic, town=rng.choice(TOWNS)),
+        "response": sample_response(rng, topic),
+    }
 
 
 def write_rows(path: str, rows: Sequence[dict]) -> None:
@@ -94,7 +110,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output .jsonl file")
     parser.add_argument("--num-pairs", type=int, default=4000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--demonstrations-out", help="also write prompt/response rows for supervised fine-tuning here (.jsonl)")
+    parser.add_argument(
+        "--demonstrations-out", help="also write prompt/response rows for supervised fine-tuning here (.jsonl)"
+    )
     parser.add_argument("--num-demonstrations", type=int, default=2000)
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)

@@ -21,7 +21,8 @@ import math
 import os
 import types
 import typing
-from typing import Any, Literal, Sequence, TypeVar, Union
+from collections.abc import Sequence
+from typing import Any, Literal, TypeVar, Union
 
 DS_CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ds_configs")
 T = TypeVar("T")
@@ -31,12 +32,22 @@ class ConfigError(ValueError):
     """A config that cannot be used; the message names the file and the key."""
 
 
-def option(default: Any, help: str, *, gt: float | None = None, ge: float | None = None, lt: float | None = None,
-           le: float | None = None) -> Any:
+def option(
+    default: Any,
+    help: str,
+    *,
+    gt: float | None = None,
+    ge: float | None = None,
+    lt: float | None = None,
+    le: float | None = None,
+) -> Any:
     """A config field with its default, one-line description and, for a number, its allowed range
     (``gt``/``ge``: exclusive/inclusive lower bound, ``lt``/``le``: upper; None, when the type allows
     it, is always accepted). Mutable defaults are copied."""
-    metadata = {"help": help, "range": {k: v for k, v in (("gt", gt), ("ge", ge), ("lt", lt), ("le", le)) if v is not None}}
+    metadata = {
+        "help": help,
+        "range": {k: v for k, v in (("gt", gt), ("ge", ge), ("lt", lt), ("le", le)) if v is not None},
+    }
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: json.loads(json.dumps(default)), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -197,9 +208,14 @@ def _check_range(value: Any, bounds: dict[str, float], key: str) -> None:
     """A number (or each number of a list, each value of an object) within the field's declared range."""
     values = value if isinstance(value, list) else list(value.values()) if isinstance(value, dict) else [value]
     for v in values:
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and not all(ok(float(v), b) for name, b in bounds.items()
-                                                                                  for _, ok in [_BOUNDS[name]]):
-            raise ConfigError(f"'{key}' must be {' and '.join(f'{_BOUNDS[n][0]} {b:g}' for n, b in bounds.items())}, got {v!r}")
+        if (
+            isinstance(v, (int, float))
+            and not isinstance(v, bool)
+            and not all(ok(float(v), b) for name, b in bounds.items() for _, ok in [_BOUNDS[name]])
+        ):
+            raise ConfigError(
+                f"'{key}' must be {' and '.join(f'{_BOUNDS[n][0]} {b:g}' for n, b in bounds.items())}, got {v!r}"
+            )
 
 
 def _check(ok: bool, key: str, expected: str, value: Any) -> None:

@@ -29,17 +29,25 @@ def resolve_deepspeed_dtype(ds_config: dict[str, Any], bf16: bool | None, bf16_k
     ``bf16.enabled``. Conflicts are refused, never silently overridden."""
     for key in DEEPSPEED_BATCH_KEYS:
         if ds_config.get(key, 1) not in (1, "auto"):
-            raise ConfigError(f"'deepspeed.{key}' ({ds_config[key]}) is set by the scripts: batches are packed to a token budget "
-                              "(train.pairs_per_step / ppo.mini_batch_size and max_tokens_per_micro_batch); remove it or set 1")
+            raise ConfigError(
+                f"'deepspeed.{key}' ({ds_config[key]}) is set by the scripts: batches are packed to a token budget "
+                "(train.pairs_per_step / ppo.mini_batch_size and max_tokens_per_micro_batch); remove it or set 1"
+            )
     for key, instead in (("optimizer", "optim"), ("scheduler", "optim.lr_scheduler and optim.warmup_ratio")):
         if key in ds_config:
-            raise ConfigError(f"'deepspeed.{key}' is set by the scripts (torch AdamW, transformers schedules): use {instead} instead")
+            raise ConfigError(
+                f"'deepspeed.{key}' is set by the scripts (torch AdamW, transformers schedules): use {instead} instead"
+            )
     if (ds_config.get("fp16") or {}).get("enabled"):
-        raise ConfigError(f"'deepspeed.fp16' is not supported (no loss scaling here): use bf16 (set {bf16_key} true) or fp32")
+        raise ConfigError(
+            f"'deepspeed.fp16' is not supported (no loss scaling here): use bf16 (set {bf16_key} true) or fp32"
+        )
     ds_bf16 = (ds_config.get("bf16") or {}).get("enabled")
     if ds_bf16 is not None and bf16 is not None and bool(ds_bf16) != bf16:
-        raise ConfigError(f"'deepspeed.bf16.enabled' ({str(bool(ds_bf16)).lower()}) and '{bf16_key}' ({str(bf16).lower()}) disagree: "
-                          f"set one of them to match, or leave {bf16_key} out to follow the DeepSpeed config")
+        raise ConfigError(
+            f"'deepspeed.bf16.enabled' ({str(bool(ds_bf16)).lower()}) and '{bf16_key}' ({str(bf16).lower()}) disagree: "
+            f"set one of them to match, or leave {bf16_key} out to follow the DeepSpeed config"
+        )
     return bool(bf16) if bf16 is not None else bool(ds_bf16)
 
 
@@ -47,9 +55,12 @@ def resolve_deepspeed_dtype(ds_config: dict[str, Any], bf16: bool | None, bf16_k
 class ModelSection:
     path: str = required("HF checkpoint directory (or hub name) of the base model")
     attn_implementation: Literal["auto", "sdpa_varlen", "flash_attention_2", "sdpa", "eager"] = option(
-        "auto", "attention: auto (flash_attention_2 on a GPU with flash-attn and bf16, else sdpa_varlen), sdpa_varlen, flash_attention_2, sdpa, eager"
+        "auto",
+        "attention: auto (flash_attention_2 on a GPU with flash-attn and bf16, else sdpa_varlen), sdpa_varlen, flash_attention_2, sdpa, eager",
     )
-    bf16: bool | None = option(None, "train in bf16 (None: as the DeepSpeed config's bf16.enabled says; its bf16 section is set to match)")
+    bf16: bool | None = option(
+        None, "train in bf16 (None: as the DeepSpeed config's bf16.enabled says; its bf16 section is set to match)"
+    )
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
     trust_remote_code: bool = option(False, "allow custom modelling code from the checkpoint")
 
@@ -71,7 +82,9 @@ class LoraSection:
 
 @dataclass
 class PolicySection(ModelSection):
-    lora: LoraSection = section(LoraSection, "LoRA adapters: only they are trained and checkpointed; the reference is the actor with them off")
+    lora: LoraSection = section(
+        LoraSection, "LoRA adapters: only they are trained and checkpointed; the reference is the actor with them off"
+    )
 
 
 @dataclass
@@ -104,7 +117,9 @@ class LoggingSection:
 
 @dataclass
 class GuardsSection:
-    max_nonfinite_in_a_row: int = option(5, "abort after this many optimizer steps in a row discarded for a NaN/Inf loss or gradient", ge=1)
+    max_nonfinite_in_a_row: int = option(
+        5, "abort after this many optimizer steps in a row discarded for a NaN/Inf loss or gradient", ge=1
+    )
 
 
 @dataclass
@@ -120,8 +135,9 @@ class RMSection:
     total_loss_coef: float = option(1.0, "weight of the BT loss of the weighted total on the overall preference", ge=0)
     center_coef: float = option(0.0, "weight of the centering term mean((r_c + r_r)^2)", ge=0)
     share_prompt: bool = option(
-        True, "compute each pair's prompt once for chosen and rejected (exact; used with attention sdpa_varlen, the default "
-        "on CPUs and on GPUs without flash-attn)"
+        True,
+        "compute each pair's prompt once for chosen and rejected (exact; used with attention sdpa_varlen, the default "
+        "on CPUs and on GPUs without flash-attn)",
     )
 
     def __post_init__(self):
@@ -166,7 +182,9 @@ class RewardModelConfig:
 @dataclass
 class SFTDataSection:
     train: str = required("train conversations parquet (data_prep/prepare_sft.py)")
-    validation: str = option("", "held-out conversations parquet, evaluated every eval_every_steps and at the end ('': none)")
+    validation: str = option(
+        "", "held-out conversations parquet, evaluated every eval_every_steps and at the end ('': none)"
+    )
 
 
 @dataclass
@@ -225,20 +243,30 @@ class RolloutSection:
     vllm_kv_cache_mb: int = option(128, "CPU: vLLM KV-cache size per rank", ge=1)
     vllm_max_model_len: int = option(1024, "vLLM context length (prompt + response)", ge=2)
     vllm_gpu_memory_utilization: float = option(
-        0.4, "GPU: share of the GPU's memory vLLM takes (weights + KV cache); it must be free when vLLM starts, after the engines",
-        gt=0, lt=1,
+        0.4,
+        "GPU: share of the GPU's memory vLLM takes (weights + KV cache); it must be free when vLLM starts, after the engines",
+        gt=0,
+        lt=1,
     )
-    vllm_sleep: bool = option(True, "GPU: vLLM sleeps (weights to CPU, KV cache freed) from each rollout until the next sync")
+    vllm_sleep: bool = option(
+        True, "GPU: vLLM sleeps (weights to CPU, KV cache freed) from each rollout until the next sync"
+    )
     tensor_parallel_size: int = option(
-        1, "ranks that share one vLLM engine, each holding a shard (groups of consecutive ranks; must divide the world size)", ge=1
+        1,
+        "ranks that share one vLLM engine, each holding a shard (groups of consecutive ranks; must divide the world size)",
+        ge=1,
     )
 
     def __post_init__(self):
         if self.tensor_parallel_size > 1 and self.sampler != "vllm":
-            raise ConfigError(f"'tensor_parallel_size' {self.tensor_parallel_size} needs sampler vllm (HF generate runs on the actor engine)")
+            raise ConfigError(
+                f"'tensor_parallel_size' {self.tensor_parallel_size} needs sampler vllm (HF generate runs on the actor engine)"
+            )
         if self.sampler == "vllm" and self.max_new_tokens >= self.vllm_max_model_len:
-            raise ConfigError(f"'max_new_tokens' ({self.max_new_tokens}) must be below vllm_max_model_len ({self.vllm_max_model_len}), "
-                              "which also holds the prompt")
+            raise ConfigError(
+                f"'max_new_tokens' ({self.max_new_tokens}) must be below vllm_max_model_len ({self.vllm_max_model_len}), "
+                "which also holds the prompt"
+            )
 
 
 @dataclass
@@ -252,11 +280,15 @@ class PPOSection:
     value_clip: float = option(0.2, "value-function clip range around the old values", gt=0)
     gamma: float = option(1.0, "discount", ge=0, le=1)
     lam: float = option(0.95, "GAE lambda", ge=0, le=1)
-    kl_estimator: Literal["k1", "k2", "k3"] = option("k1", "estimator of the KL in the reward (k1: the log-ratio, unbiased per token)")
+    kl_estimator: Literal["k1", "k2", "k3"] = option(
+        "k1", "estimator of the KL in the reward (k1: the log-ratio, unbiased per token)"
+    )
     use_kl_in_reward: bool = option(True, "subtract kl_coef * KL from the per-token reward")
     kl_coef: float = option(0.05, "KL coefficient (initial value when adaptive)", ge=0)
     kl_target: float | None = option(
-        None, "adaptive KL controller target, in KL per response token like guards.kl_ceiling (e.g. 0.05; None: fixed kl_coef)", gt=0
+        None,
+        "adaptive KL controller target, in KL per response token like guards.kl_ceiling (e.g. 0.05; None: fixed kl_coef)",
+        gt=0,
     )
     kl_horizon: int = option(10000, "adaptive KL controller horizon, in samples", ge=1)
     kl_loss_coef: float = option(0.0, "weight of a KL loss term in the actor loss (GRPO style)", ge=0)
@@ -265,30 +297,40 @@ class PPOSection:
     )
     entropy_coef: float = option(0.0, "entropy bonus in the actor loss", ge=0)
     advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = option(
-        "gae", "gae (with a critic); critic-free, no critic engine: grpo (group mean/std), rloo (leave-one-out), reinforce_pp (global baseline)"
+        "gae",
+        "gae (with a critic); critic-free, no critic engine: grpo (group mean/std), rloo (leave-one-out), reinforce_pp (global baseline)",
     )
     whiten_advantages: bool = option(True, "standardise GAE advantages over the rollout batch (all ranks)")
     old_logprobs_from: Literal["actor", "sampler"] = option(
-        "actor", "PPO's old log-probs: the actor's experience forward, or the sampler's own (fp32 only; one forward fewer per "
+        "actor",
+        "PPO's old log-probs: the actor's experience forward, or the sampler's own (fp32 only; one forward fewer per "
         "iteration; checked against the actor every sampler_check_every iterations, back to the actor for good when the gap is "
-        "above sampler_logprob_tolerance)"
+        "above sampler_logprob_tolerance)",
     )
     old_values_from: Literal["update", "experience"] = option(
-        "update", "the critic's values at sampling time (GAE's baseline): update: the first critic step's own forward, on the same "
+        "update",
+        "the critic's values at sampling time (GAE's baseline): update: the first critic step's own forward, on the same "
         "weights (exact; one forward fewer per iteration), used where it is the same: the rollout is one mini-batch (mini_batch_size = "
-        "prompts_per_iteration x samples_per_prompt) and the critic has no dropout; experience: always an experience forward"
+        "prompts_per_iteration x samples_per_prompt) and the critic has no dropout; experience: always an experience forward",
     )
     share_prompt: bool = option(
-        True, "compute a prompt once for all its samples (samples_per_prompt) in the experience and training forwards (exact; "
-        "used with attention sdpa_varlen, the default on CPUs and on GPUs without flash-attn)"
+        True,
+        "compute a prompt once for all its samples (samples_per_prompt) in the experience and training forwards (exact; "
+        "used with attention sdpa_varlen, the default on CPUs and on GPUs without flash-attn)",
     )
     tis_cap: float | None = option(
-        None, "truncated importance sampling: weight each token's policy loss by min(pi_actor / pi_sampler, tis_cap), for a "
-        "sampler whose numerics differ from the trainer's (bf16, GPU kernels); e.g. 2.0 (None: off)", ge=1
+        None,
+        "truncated importance sampling: weight each token's policy loss by min(pi_actor / pi_sampler, tis_cap), for a "
+        "sampler whose numerics differ from the trainer's (bf16, GPU kernels); e.g. 2.0 (None: off)",
+        ge=1,
     )
-    sampler_check_every: int = option(10, "with old_logprobs_from sampler: compute both every N iterations (the first included)", ge=1)
+    sampler_check_every: int = option(
+        10, "with old_logprobs_from sampler: compute both every N iterations (the first included)", ge=1
+    )
     sampler_logprob_tolerance: float = option(
-        1e-4, "with old_logprobs_from sampler: the largest mean |sampler - actor| log-prob gap that counts as the same", gt=0
+        1e-4,
+        "with old_logprobs_from sampler: the largest mean |sampler - actor| log-prob gap that counts as the same",
+        gt=0,
     )
 
 
@@ -301,12 +343,18 @@ class PPOTrainSection:
 
 @dataclass
 class PPOGuardsSection(GuardsSection):
-    kl_ceiling: float | None = option(None, "rollout KL per token above which the actor LR is lowered (e.g. 0.1; None: off)", gt=0)
+    kl_ceiling: float | None = option(
+        None, "rollout KL per token above which the actor LR is lowered (e.g. 0.1; None: off)", gt=0
+    )
     kl_lr_factor: float = option(0.5, "multiply the actor LR by this each time the KL is above kl_ceiling", gt=0, le=1)
     rollback_drop: float | None = option(
-        None, "roll back when the held-out reward falls this fraction of |best| below the best (e.g. 0.05; None: off)", gt=0
+        None,
+        "roll back when the held-out reward falls this fraction of |best| below the best (e.g. 0.05; None: off)",
+        gt=0,
     )
-    rollback_min_drop: float = option(0.0, "... and by at least this much (absolute; rewards near 0 make fractions noisy)", ge=0)
+    rollback_min_drop: float = option(
+        0.0, "... and by at least this much (absolute; rewards near 0 make fractions noisy)", ge=0
+    )
     rollback_lr_factor: float = option(0.5, "multiply the actor LR by this after a rollback", gt=0, le=1)
     max_rollbacks: int = option(2, "give up (exit 3) at the drop after this many rollbacks", ge=0)
 
@@ -314,7 +362,9 @@ class PPOGuardsSection(GuardsSection):
 @dataclass
 class MonitorSection:
     length_ratio_max: float = option(1.5, "flag when mean response length / the reference's exceeds this", gt=0)
-    repeated_ngram_max: float = option(0.3, "flag when the fraction of repeated n-grams in responses exceeds this", ge=0, le=1)
+    repeated_ngram_max: float = option(
+        0.3, "flag when the fraction of repeated n-grams in responses exceeds this", ge=0, le=1
+    )
     ngram: int = option(4, "n of the repeated n-gram monitor (in tokens)", ge=1)
     sample_rows: int = option(4, "held-out prompts whose responses go to samples.jsonl at each evaluation", ge=0)
 
@@ -340,24 +390,38 @@ class PPOConfig:
     def __post_init__(self):
         self.actor.bf16 = resolve_deepspeed_dtype(self.deepspeed, self.actor.bf16, "actor.bf16")
         if self.guards.rollback_drop is not None and not (self.data.eval_prompts and self.train.eval_every):
-            raise ConfigError("guards.rollback_drop needs data.eval_prompts and train.eval_every > 0 (the held-out reward it watches)")
+            raise ConfigError(
+                "guards.rollback_drop needs data.eval_prompts and train.eval_every > 0 (the held-out reward it watches)"
+            )
         estimator = self.ppo.advantage_estimator
         if estimator in ("grpo", "rloo") and self.rollout.samples_per_prompt < 2:
-            raise ConfigError(f"ppo.advantage_estimator {estimator} compares the samples of a prompt: set rollout.samples_per_prompt >= 2")
+            raise ConfigError(
+                f"ppo.advantage_estimator {estimator} compares the samples of a prompt: set rollout.samples_per_prompt >= 2"
+            )
         if estimator != "gae" and self.critic.warmup_iterations:
-            raise ConfigError(f"critic.warmup_iterations needs a critic, and ppo.advantage_estimator {estimator} has none: set it to 0")
+            raise ConfigError(
+                f"critic.warmup_iterations needs a critic, and ppo.advantage_estimator {estimator} has none: set it to 0"
+            )
         if self.ppo.tis_cap is not None and self.ppo.old_logprobs_from == "sampler":
-            raise ConfigError("ppo.tis_cap corrects the gap between the sampler's and the actor's log-probs; with "
-                              "ppo.old_logprobs_from sampler the old log-probs are the sampler's and every weight is 1: drop one")
+            raise ConfigError(
+                "ppo.tis_cap corrects the gap between the sampler's and the actor's log-probs; with "
+                "ppo.old_logprobs_from sampler the old log-probs are the sampler's and every weight is 1: drop one"
+            )
         if self.ppo.old_logprobs_from == "sampler" and self.actor.bf16:
-            raise ConfigError("ppo.old_logprobs_from sampler needs fp32 weights (actor.bf16 false): in bf16 the sampler's and the "
-                              "actor's log-probs differ by ~1e-3, so PPO must recompute them")
+            raise ConfigError(
+                "ppo.old_logprobs_from sampler needs fp32 weights (actor.bf16 false): in bf16 the sampler's and the "
+                "actor's log-probs differ by ~1e-3, so PPO must recompute them"
+            )
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rollout = self.rollout.prompts_per_iteration * self.rollout.samples_per_prompt
         if world % self.rollout.tensor_parallel_size:
-            raise ConfigError(f"rollout.tensor_parallel_size ({self.rollout.tensor_parallel_size}) must divide the {world} ranks")
+            raise ConfigError(
+                f"rollout.tensor_parallel_size ({self.rollout.tensor_parallel_size}) must divide the {world} ranks"
+            )
         if self.rollout.prompts_per_iteration % world:
-            raise ConfigError(f"rollout.prompts_per_iteration ({self.rollout.prompts_per_iteration}) must divide over {world} ranks")
+            raise ConfigError(
+                f"rollout.prompts_per_iteration ({self.rollout.prompts_per_iteration}) must divide over {world} ranks"
+            )
         if rollout % self.ppo.mini_batch_size or self.ppo.mini_batch_size % world:
             raise ConfigError(
                 f"ppo.mini_batch_size ({self.ppo.mini_batch_size}) must divide the rollout batch, rollout.prompts_per_iteration x "
@@ -376,7 +440,9 @@ def schemas() -> dict[str, dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="write the JSON Schemas of the scripts' configs")
-    parser.add_argument("--out", default=os.path.join(DS_CONFIGS_DIR, "schema"), help="folder for the .schema.json files")
+    parser.add_argument(
+        "--out", default=os.path.join(DS_CONFIGS_DIR, "schema"), help="folder for the .schema.json files"
+    )
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     for name, schema in schemas().items():

@@ -42,7 +42,9 @@ def process_group(tmp_path_factory):
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg') / 'store'}", rank=0, world_size=1)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{tmp_path_factory.mktemp('pg') / 'store'}", rank=0, world_size=1
+        )
     yield
 
 
@@ -53,7 +55,9 @@ def deepspeed_ready(process_group):
 
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(name, value)
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # a JIT build otherwise (engine/runtime/distributed.py)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = (
+        False  # a JIT build otherwise (engine/runtime/distributed.py)
+    )
 
 
 @pytest.fixture(scope="session")
@@ -80,7 +84,12 @@ def rm_data(tmp_path_factory, tiny_model_dir) -> Path:
 
     root = tmp_path_factory.mktemp("rm_data")
     synthetic_task.main(["--out", str(root / "pairs.jsonl"), "--num-pairs", "2000", "--seed", "1"])
-    assert prepare_preferences.main(["--input", str(root / "pairs.jsonl"), "--tokenizer", str(tiny_model_dir), "--out", str(root)]) == 0
+    assert (
+        prepare_preferences.main(
+            ["--input", str(root / "pairs.jsonl"), "--tokenizer", str(tiny_model_dir), "--out", str(root)]
+        )
+        == 0
+    )
     return root
 
 
@@ -90,9 +99,26 @@ def sft_data(tmp_path_factory, tiny_model_dir) -> Path:
     from data_prep import prepare_sft, synthetic_task
 
     root = tmp_path_factory.mktemp("sft_data")
-    synthetic_task.main(["--out", str(root / "pairs.jsonl"), "--num-pairs", "1", "--seed", "2",
-                         "--demonstrations-out", str(root / "demonstrations.jsonl"), "--num-demonstrations", "1200"])
-    assert prepare_sft.main(["--input", str(root / "demonstrations.jsonl"), "--tokenizer", str(tiny_model_dir), "--out", str(root)]) == 0
+    synthetic_task.main(
+        [
+            "--out",
+            str(root / "pairs.jsonl"),
+            "--num-pairs",
+            "1",
+            "--seed",
+            "2",
+            "--demonstrations-out",
+            str(root / "demonstrations.jsonl"),
+            "--num-demonstrations",
+            "1200",
+        ]
+    )
+    assert (
+        prepare_sft.main(
+            ["--input", str(root / "demonstrations.jsonl"), "--tokenizer", str(tiny_model_dir), "--out", str(root)]
+        )
+        == 0
+    )
     return root
 
 

@@ -21,7 +21,10 @@ REPO = Path(__file__).resolve().parent.parent
 LAUNCHER = str(Path(sys.executable).parent / "deepspeed")
 RM_COMPONENTS = {"helpful": 0.5, "harmless": 0.5}
 TASK_WORDS = {*FILLER, *NEGATIVE, *POSITIVE, *TOPICS}  # the synthetic task's vocabulary (lower case)
-SFT_STEPS, SFT_EVERY = 40, 15  # into the second epoch of 1,136 demonstrations; a checkpoint and an evaluation every 15 steps
+SFT_STEPS, SFT_EVERY = (
+    40,
+    15,
+)  # into the second epoch of 1,136 demonstrations; a checkpoint and an evaluation every 15 steps
 RM_STEPS, RM_EVERY = 60, 20  # two epochs of 1,900 pairs; a checkpoint every 20 steps
 PPO_ITERATIONS, PPO_EVERY = 30, 10  # evaluation and checkpoint every 10 iterations
 
@@ -38,8 +41,14 @@ def launcher_cmd(ranks: int) -> list[str]:
     return [LAUNCHER, "--num_gpus", str(ranks), "--master_port", str(free_port())]
 
 
-def launch_two_nodes(script: str, config: Path, hostfile_dir: Path, *extra: str, node_extra: tuple[list[str], list[str]] = ([], []),
-                     check: bool = True) -> list[subprocess.CompletedProcess]:
+def launch_two_nodes(
+    script: str,
+    config: Path,
+    hostfile_dir: Path,
+    *extra: str,
+    node_extra: tuple[list[str], list[str]] = ([], []),
+    check: bool = True,
+) -> list[subprocess.CompletedProcess]:
     """train/<script> on two "nodes" of one rank each, as on a cluster without ssh: one launcher
     per node (``--hostfile H --no_ssh --node_rank k``), the master on 127.0.0.1. ``node_extra``:
     arguments for one node only."""
@@ -47,9 +56,30 @@ def launch_two_nodes(script: str, config: Path, hostfile_dir: Path, *extra: str,
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")  # host names are labels with --no_ssh
     port = free_port()
     procs = [
-        subprocess.Popen([LAUNCHER, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(k), "--master_addr", "127.0.0.1",
-                          "--master_port", str(port), str(REPO / "train" / script), "--config", str(config), *extra, *node_extra[k]],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        subprocess.Popen(
+            [
+                LAUNCHER,
+                "--hostfile",
+                str(hostfile),
+                "--no_ssh",
+                "--node_rank",
+                str(k),
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(port),
+                str(REPO / "train" / script),
+                "--config",
+                str(config),
+                *extra,
+                *node_extra[k],
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         for k in range(2)
     ]
     results = []
@@ -62,7 +92,9 @@ def launch_two_nodes(script: str, config: Path, hostfile_dir: Path, *extra: str,
     return results
 
 
-def run_launched(cmd: list[str], ranks: int, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+def run_launched(
+    cmd: list[str], ranks: int, env: dict[str, str] | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
     """Run a launcher command (OMP threads shared between ranks); fails the test on error unless
     ``check`` is false. ``env`` adds variables (e.g. RLHF_FAULTS)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1" if ranks > 1 else "2", **(env or {})}
@@ -72,17 +104,25 @@ def run_launched(cmd: list[str], ranks: int, env: dict[str, str] | None = None, 
     return result
 
 
-def launch(script: str, config: Path, *extra: str, ranks: int = 1, env: dict[str, str] | None = None,
-           check: bool = True) -> subprocess.CompletedProcess:
+def launch(
+    script: str, config: Path, *extra: str, ranks: int = 1, env: dict[str, str] | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
     """``deepspeed --num_gpus ranks train/<script> --config config extra...``."""
-    return run_launched([*launcher_cmd(ranks), str(REPO / "train" / script), "--config", str(config), *extra], ranks, env, check)
+    return run_launched(
+        [*launcher_cmd(ranks), str(REPO / "train" / script), "--config", str(config), *extra], ranks, env, check
+    )
 
 
 def run_script(script: str, config: Path, *extra: str) -> subprocess.CompletedProcess:
     """``python train/<script> --config config extra...`` without the launcher (one rank), for runs
     that are refused before training: the launcher's start-up costs ~5 s."""
-    return subprocess.run([sys.executable, str(REPO / "train" / script), "--config", str(config), *extra], capture_output=True, text=True,
-                          timeout=300, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, str(REPO / "train" / script), "--config", str(config), *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
 
 
 def faults(**spec) -> dict[str, str]:
@@ -99,9 +139,19 @@ def write_sft_config(path: Path, tiny_model_dir: Path, sft_data: Path, output_di
         "model": {"path": str(tiny_model_dir)},
         "data": {"train": str(sft_data / "sft_train.parquet"), "validation": str(sft_data / "sft_validation.parquet")},
         "deepspeed": "tiny_cpu_zero3.json",
-        "train": {"epochs": 2, "conversations_per_step": 32, "max_tokens_per_micro_batch": 1024, "max_steps": SFT_STEPS,
-                  "eval_every_steps": SFT_EVERY, **train},
-        "optim": {"lr": 2e-3, "warmup_ratio": 0.0, "lr_scheduler": "constant_with_warmup"},  # a shorter run follows the same curve
+        "train": {
+            "epochs": 2,
+            "conversations_per_step": 32,
+            "max_tokens_per_micro_batch": 1024,
+            "max_steps": SFT_STEPS,
+            "eval_every_steps": SFT_EVERY,
+            **train,
+        },
+        "optim": {
+            "lr": 2e-3,
+            "warmup_ratio": 0.0,
+            "lr_scheduler": "constant_with_warmup",
+        },  # a shorter run follows the same curve
         "checkpoint": {"every_steps": SFT_EVERY, "keep_last": 5},
         "logging": {"output_dir": str(output_dir), "progress_bar": False},
     }
@@ -128,11 +178,20 @@ def write_ppo_config(path: Path, tiny_model_dir: Path, rm_dir: Path, data: Path,
     config = {
         "actor": {"path": str(tiny_model_dir)},
         "reward_model": {"path": str(rm_dir), "clip": 5.0},
-        "data": {"prompts": str(data / "prompts_train.parquet"), "eval_prompts": str(data / "prompts_validation.parquet")},
+        "data": {
+            "prompts": str(data / "prompts_train.parquet"),
+            "eval_prompts": str(data / "prompts_validation.parquet"),
+        },
         "deepspeed": "tiny_cpu_zero3.json",
         "critic": {"init_from": "reward_model", "lr": 1e-4},
-        "rollout": {"sampler": "vllm", "prompts_per_iteration": 16, "samples_per_prompt": 4, "max_new_tokens": 24,
-                    "vllm_kv_cache_mb": 64, "vllm_max_model_len": 256},
+        "rollout": {
+            "sampler": "vllm",
+            "prompts_per_iteration": 16,
+            "samples_per_prompt": 4,
+            "max_new_tokens": 24,
+            "vllm_kv_cache_mb": 64,
+            "vllm_max_model_len": 256,
+        },
         "ppo": {"mini_batch_size": 32, "kl_coef": 0.05, "kl_target": 0.05, "kl_horizon": 100},
         "train": {"iterations": PPO_ITERATIONS, "eval_every": PPO_EVERY},
         "optim": {"lr": 5e-4, "warmup_ratio": 0.0, "lr_scheduler": "constant_with_warmup"},
@@ -158,10 +217,14 @@ def metric_series(output_dir: Path, key: str) -> dict[int, float]:
 REPEAT_REL, REPEAT_ABS = 1e-5, 1e-6
 
 
-def assert_repeats(repeated: dict[int, float], original: dict[int, float], steps: range | None = None, what: str = "") -> None:
+def assert_repeats(
+    repeated: dict[int, float], original: dict[int, float], steps: range | None = None, what: str = ""
+) -> None:
     """Metric series ``repeated`` equals ``original`` at ``steps`` (all of the original's when None), to float rounding."""
     steps = sorted(original) if steps is None else steps
-    assert [repeated.get(s) for s in steps] == pytest.approx([original[s] for s in steps], rel=REPEAT_REL, abs=REPEAT_ABS), what
+    assert [repeated.get(s) for s in steps] == pytest.approx(
+        [original[s] for s in steps], rel=REPEAT_REL, abs=REPEAT_ABS
+    ), what
 
 
 def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -175,8 +238,15 @@ def start_launched(script: str, config: Path, *extra: str) -> subprocess.Popen:
     """One rank of train/<script> under the launcher, in the background, in its own session
     (so ``os.killpg(proc.pid, SIGKILL)`` kills the launcher and the rank together)."""
     cmd = [*launcher_cmd(1), str(REPO / "train" / script), "--config", str(config), *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                            env={**os.environ, "OMP_NUM_THREADS": "2"}, start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+        start_new_session=True,
+    )
 
 
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -193,4 +263,8 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
 
 def workers(proc: subprocess.Popen) -> list[psutil.Process]:
     """The training ranks of a launch (the launcher's children that carry ``--local_rank``)."""
-    return [p for p in psutil.Process(proc.pid).children(recursive=True) if any(a.startswith("--local_rank") for a in p.cmdline())]
+    return [
+        p
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        if any(a.startswith("--local_rank") for a in p.cmdline())
+    ]

@@ -38,9 +38,15 @@ def test_latest_is_the_pointer_or_the_newest_intact_checkpoint_before_it(tmp_pat
         make_checkpoint(tmp_path, step)
     make_checkpoint(tmp_path, 40, with_manifest=False)  # crashed before its manifest
     (tmp_path / "step00000050.tmp").mkdir()  # a save in progress
-    assert [os.path.basename(p) for p in complete_checkpoints(str(tmp_path))] == ["step00000010", "step00000020", "step00000030"]
+    assert [os.path.basename(p) for p in complete_checkpoints(str(tmp_path))] == [
+        "step00000010",
+        "step00000020",
+        "step00000030",
+    ]
     assert latest_checkpoint(str(tmp_path)) is None  # no pointer: nothing is "the latest"
-    assert "no 'latest' pointer" in describe_checkpoints(str(tmp_path)) and "step00000030" in describe_checkpoints(str(tmp_path))
+    assert "no 'latest' pointer" in describe_checkpoints(str(tmp_path)) and "step00000030" in describe_checkpoints(
+        str(tmp_path)
+    )
     point_latest(tmp_path, 30)
     assert latest_checkpoint(str(tmp_path)).endswith("step00000030")
     point_latest(tmp_path, 20)  # a complete checkpoint after the pointer (renamed, pointer not yet moved) is not taken

@@ -75,7 +75,10 @@ def test_mutable_defaults_are_not_shared():
         ({"tags": ["a", 2]}, "'tags[1]' must be a string"),
         ({"weights": {"h": "x"}}, "'weights.h' must be a number"),
         ({"eval_every": "often"}, "'eval_every' must be an integer"),
-        ({"ppo": {"rollout_batch_size": 6, "mini_batch_size": 4}}, "ppo: rollout_batch_size (6) must be a multiple of mini_batch_size (4)"),
+        (
+            {"ppo": {"rollout_batch_size": 6, "mini_batch_size": 4}},
+            "ppo: rollout_batch_size (6) must be a multiple of mini_batch_size (4)",
+        ),
     ],
 )
 def test_bad_configs_name_file_and_key(tmp_path, data, message):
@@ -99,15 +102,26 @@ def test_invalid_json_names_the_line(tmp_path):
 def test_dotted_overrides_win_over_the_file(tmp_path):
     path = write(tmp_path, {"seed": 3, "ppo": {"clip_ratio": 0.1}})
     cfg = load_config(
-        RunConfig, path, ["--ppo.clip_ratio", "0.3", "--seed=7", "--model", "some/path", "--tags", '["a","b"]', "--ppo.ppo_epochs", "2"]
+        RunConfig,
+        path,
+        ["--ppo.clip_ratio", "0.3", "--seed=7", "--model", "some/path", "--tags", '["a","b"]', "--ppo.ppo_epochs", "2"],
     )
-    assert (cfg.ppo.clip_ratio, cfg.seed, cfg.model, cfg.tags, cfg.ppo.ppo_epochs) == (0.3, 7, "some/path", ["a", "b"], 2)
+    assert (cfg.ppo.clip_ratio, cfg.seed, cfg.model, cfg.tags, cfg.ppo.ppo_epochs) == (
+        0.3,
+        7,
+        "some/path",
+        ["a", "b"],
+        2,
+    )
 
 
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--ppo.clip_rato", "0.1"], "command line: unknown key '--ppo.clip_rato' in 'ppo' (did you mean 'clip_ratio'?)"),
+        (
+            ["--ppo.clip_rato", "0.1"],
+            "command line: unknown key '--ppo.clip_rato' in 'ppo' (did you mean 'clip_ratio'?)",
+        ),
         (["--sed", "1"], "unknown key '--sed' (did you mean 'seed'?)"),
         (["--seed.x", "1"], "'seed' is not a section"),
         (["--seed"], "--seed has no value"),
@@ -121,7 +135,12 @@ def test_bad_overrides(tmp_path, argv, message):
 
 
 def test_parse_overrides_values_are_json_or_strings():
-    assert parse_overrides(["--a", "1", "--b", "x/y", "--c", "null", "--d=true"]) == {"a": 1, "b": "x/y", "c": None, "d": True}
+    assert parse_overrides(["--a", "1", "--b", "x/y", "--c", "null", "--d=true"]) == {
+        "a": 1,
+        "b": "x/y",
+        "c": None,
+        "d": True,
+    }
 
 
 def test_deepspeed_inline_or_path(tmp_path):

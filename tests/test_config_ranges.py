@@ -18,11 +18,40 @@ from engine.run_config import SCRIPT_CONFIGS, PPOConfig, RewardModelConfig, SFTC
 DS = {"zero_optimization": {"stage": 3}}
 MINIMAL = {
     SFTConfig: {"model": {"path": "m"}, "data": {"train": "t.parquet"}, "deepspeed": DS},
-    RewardModelConfig: {"model": {"path": "m"}, "data": {"train": "t.parquet", "validation": "v.parquet"}, "deepspeed": DS},
-    PPOConfig: {"actor": {"path": "a"}, "reward_model": {"path": "r"}, "data": {"prompts": "p.parquet"}, "deepspeed": DS},
+    RewardModelConfig: {
+        "model": {"path": "m"},
+        "data": {"train": "t.parquet", "validation": "v.parquet"},
+        "deepspeed": DS,
+    },
+    PPOConfig: {
+        "actor": {"path": "a"},
+        "reward_model": {"path": "r"},
+        "data": {"prompts": "p.parquet"},
+        "deepspeed": DS,
+    },
 }
-BOUNDARY_VALUES = [0, 1, -1, 2, 0.5, -0.5, 1e-300, 10**30, -(10**30), 1e308, float("nan"), float("inf"), "x", "", None, True, [], {},
-                   [0.9, 0.95], {"a": 1.0}]
+BOUNDARY_VALUES = [
+    0,
+    1,
+    -1,
+    2,
+    0.5,
+    -0.5,
+    1e-300,
+    10**30,
+    -(10**30),
+    1e308,
+    float("nan"),
+    float("inf"),
+    "x",
+    "",
+    None,
+    True,
+    [],
+    {},
+    [0.9, 0.95],
+    {"a": 1.0},
+]
 
 
 def leaf_fields(cls: type, prefix: str = "") -> list[str]:
@@ -96,7 +125,9 @@ def test_values_that_once_crashed_are_refused_by_key(override, message):
 def test_shipped_schemas_are_current_and_accept_the_shipped_configs():
     folder = Path(DS_CONFIGS_DIR) / "schema"
     for name, schema in schemas().items():
-        assert json.loads((folder / name).read_text()) == schema, f"regenerate with: python -m engine.run_config ({name})"
+        assert json.loads((folder / name).read_text()) == schema, (
+            f"regenerate with: python -m engine.run_config ({name})"
+        )
     for config in Path(DS_CONFIGS_DIR).glob("demo_*.json"):
         data = json.loads(config.read_text())
         schema = json.loads((config.parent / data["$schema"]).read_text())
@@ -106,11 +137,27 @@ def test_shipped_schemas_are_current_and_accept_the_shipped_configs():
 @pytest.mark.parametrize(
     "deepspeed, model, message",
     [
-        ({"fp16": {"enabled": True}}, {}, "'deepspeed.fp16' is not supported (no loss scaling here): use bf16 (set model.bf16 true)"),
-        ({"train_batch_size": 256}, {}, "'deepspeed.train_batch_size' (256) is set by the scripts: batches are packed to a token budget"),
+        (
+            {"fp16": {"enabled": True}},
+            {},
+            "'deepspeed.fp16' is not supported (no loss scaling here): use bf16 (set model.bf16 true)",
+        ),
+        (
+            {"train_batch_size": 256},
+            {},
+            "'deepspeed.train_batch_size' (256) is set by the scripts: batches are packed to a token budget",
+        ),
         ({"gradient_accumulation_steps": 8}, {}, "'deepspeed.gradient_accumulation_steps' (8) is set by the scripts"),
-        ({"optimizer": {"type": "Adam"}}, {}, "'deepspeed.optimizer' is set by the scripts (torch AdamW, transformers schedules): use optim"),
-        ({"bf16": {"enabled": True}}, {"bf16": False}, "'deepspeed.bf16.enabled' (true) and 'model.bf16' (false) disagree"),
+        (
+            {"optimizer": {"type": "Adam"}},
+            {},
+            "'deepspeed.optimizer' is set by the scripts (torch AdamW, transformers schedules): use optim",
+        ),
+        (
+            {"bf16": {"enabled": True}},
+            {"bf16": False},
+            "'deepspeed.bf16.enabled' (true) and 'model.bf16' (false) disagree",
+        ),
     ],
 )
 def test_deepspeed_keys_the_scripts_own_are_refused_not_dropped(deepspeed, model, message):
@@ -121,8 +168,11 @@ def test_deepspeed_keys_the_scripts_own_are_refused_not_dropped(deepspeed, model
 
 
 def test_bf16_follows_the_deepspeed_config_unless_the_run_config_says():
-    build = lambda ds, **model: build_config(  # noqa: E731
-        RewardModelConfig, MINIMAL[RewardModelConfig] | {"deepspeed": ds, "model": {"path": "m", **model}}, source="run.json")
+    build = lambda ds, **model: build_config(
+        RewardModelConfig,
+        MINIMAL[RewardModelConfig] | {"deepspeed": ds, "model": {"path": "m", **model}},
+        source="run.json",
+    )
     assert build("zero3.json").model.bf16 is True  # labelled bf16, trains bf16
     assert build("tiny_cpu_zero3.json").model.bf16 is False
     assert build("tiny_cpu_zero3.json", bf16=True).model.bf16 is True
@@ -132,14 +182,28 @@ def test_bf16_follows_the_deepspeed_config_unless_the_run_config_says():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"ppo": {"advantage_estimator": "grpo"}}, "ppo.advantage_estimator grpo compares the samples of a prompt: set rollout.samples_per_prompt >= 2"),
-        ({"ppo": {"advantage_estimator": "rloo"}, "rollout": {"samples_per_prompt": 1}}, "rloo compares the samples of a prompt"),
-        ({"ppo": {"advantage_estimator": "reinforce_pp"}, "critic": {"warmup_iterations": 2}},
-         "critic.warmup_iterations needs a critic, and ppo.advantage_estimator reinforce_pp has none"),
-        ({"actor": {"path": "m", "lora": {"rank": 8, "target_modules": []}}}, "actor.lora: 'target_modules' needs at least one layer name"),
+        (
+            {"ppo": {"advantage_estimator": "grpo"}},
+            "ppo.advantage_estimator grpo compares the samples of a prompt: set rollout.samples_per_prompt >= 2",
+        ),
+        (
+            {"ppo": {"advantage_estimator": "rloo"}, "rollout": {"samples_per_prompt": 1}},
+            "rloo compares the samples of a prompt",
+        ),
+        (
+            {"ppo": {"advantage_estimator": "reinforce_pp"}, "critic": {"warmup_iterations": 2}},
+            "critic.warmup_iterations needs a critic, and ppo.advantage_estimator reinforce_pp has none",
+        ),
+        (
+            {"actor": {"path": "m", "lora": {"rank": 8, "target_modules": []}}},
+            "actor.lora: 'target_modules' needs at least one layer name",
+        ),
         ({"critic": {"lora": {"rank": -1}}}, "critic.lora.rank"),
         ({"critic": {"lora": {"dropout": 1.0}}}, "critic.lora.dropout"),
-        ({"ppo": {"tis_cap": 2.0, "old_logprobs_from": "sampler"}}, "ppo.tis_cap corrects the gap between the sampler's and the actor's"),
+        (
+            {"ppo": {"tis_cap": 2.0, "old_logprobs_from": "sampler"}},
+            "ppo.tis_cap corrects the gap between the sampler's and the actor's",
+        ),
         ({"ppo": {"tis_cap": 0.5}}, "ppo.tis_cap"),
     ],
 )
@@ -152,7 +216,7 @@ def test_critic_free_estimators_and_lora_refuse_what_they_cannot_do(overrides, m
 
 
 def test_tensor_parallel_rollout_refuses_what_it_cannot_do(monkeypatch):
-    tp = lambda n, **rollout: MINIMAL[PPOConfig] | {"rollout": {"tensor_parallel_size": n, **rollout}}  # noqa: E731
+    tp = lambda n, **rollout: MINIMAL[PPOConfig] | {"rollout": {"tensor_parallel_size": n, **rollout}}
     with pytest.raises(ConfigError, match="'tensor_parallel_size' 2 needs sampler vllm"):
         build_config(PPOConfig, tp(2, sampler="hf"), source="run.json")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -166,4 +230,3 @@ def test_old_logprobs_from_the_sampler_need_fp32():
     assert build_config(PPOConfig, fine, source="run.json").ppo.old_logprobs_from == "sampler"
     with pytest.raises(ConfigError, match=r"ppo.old_logprobs_from sampler needs fp32 weights \(actor.bf16 false\)"):
         build_config(PPOConfig, fine | {"actor": {**MINIMAL[PPOConfig]["actor"], "bf16": True}}, source="run.json")
-

@@ -30,13 +30,19 @@ def msg(role: str, content: str) -> dict[str, str]:
     [
         ({"messages": [msg(USER, "a"), msg(ASSISTANT, "b")]}, [msg(USER, "a"), msg(ASSISTANT, "b")]),
         ({"prompt": "a", "response": "b"}, [msg(USER, "a"), msg(ASSISTANT, "b")]),
-        ({"prompt": [msg("system", "s"), msg(USER, "a")], "completion": [msg(ASSISTANT, "b")]},
-         [msg("system", "s"), msg(USER, "a"), msg(ASSISTANT, "b")]),
+        (
+            {"prompt": [msg("system", "s"), msg(USER, "a")], "completion": [msg(ASSISTANT, "b")]},
+            [msg("system", "s"), msg(USER, "a"), msg(ASSISTANT, "b")],
+        ),
         ({"prompt": "a", "chosen": "b", "rejected": "c"}, [msg(USER, "a"), msg(ASSISTANT, "b")]),
-        ({"chosen": "\n\nHuman: a\n\nAssistant: b\n\nHuman: c\n\nAssistant: d", "rejected": "..."},
-         [msg(USER, "a"), msg(ASSISTANT, "b"), msg(USER, "c"), msg(ASSISTANT, "d")]),
-        ({"chosen": [msg(USER, "a"), msg(ASSISTANT, "b")], "rejected": [msg(USER, "a"), msg(ASSISTANT, "c")]},
-         [msg(USER, "a"), msg(ASSISTANT, "b")]),
+        (
+            {"chosen": "\n\nHuman: a\n\nAssistant: b\n\nHuman: c\n\nAssistant: d", "rejected": "..."},
+            [msg(USER, "a"), msg(ASSISTANT, "b"), msg(USER, "c"), msg(ASSISTANT, "d")],
+        ),
+        (
+            {"chosen": [msg(USER, "a"), msg(ASSISTANT, "b")], "rejected": [msg(USER, "a"), msg(ASSISTANT, "c")]},
+            [msg(USER, "a"), msg(ASSISTANT, "b")],
+        ),
     ],
 )
 def test_row_shapes(row, expected):
@@ -66,10 +72,17 @@ def test_an_empty_assistant_turn_is_dropped():
 
 def test_mask_covers_every_assistant_turn_with_its_end_token(tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    messages = [msg("system", "Be kind."), msg(USER, "Tell me about the river."), msg(ASSISTANT, "River calm."),
-                msg(USER, "And the garden?"), msg(ASSISTANT, "Garden bright.")]
+    messages = [
+        msg("system", "Be kind."),
+        msg(USER, "Tell me about the river."),
+        msg(ASSISTANT, "River calm."),
+        msg(USER, "And the garden?"),
+        msg(ASSISTANT, "Garden bright."),
+    ]
     [conv] = tokenize_conversations(tok, [messages])
-    assert conv.input_ids == tok(tok.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
+    assert (
+        conv.input_ids == tok(tok.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
+    )
     trained = tok.decode([t for t, on in zip(conv.input_ids, conv.trained) if on])
     assert trained == "River calm.<|im_end|>\nGarden bright.<|im_end|>\n"
     with pytest.raises(ValueError, match="row 3: the conversation has no assistant message"):
@@ -79,11 +92,17 @@ def test_mask_covers_every_assistant_turn_with_its_end_token(tiny_model_dir):
 def test_packed_loss_equals_transformers_own_masked_loss(tiny_model_dir):
     """token_nll over a packed row == HF's cross-entropy with labels -100 outside the assistant's
     tokens, computed per conversation without packing."""
-    tok, model = AutoTokenizer.from_pretrained(tiny_model_dir), AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    conversations = tokenize_conversations(tok, [
-        [msg(USER, "Tell me about the river in Alder."), msg(ASSISTANT, "River calm kind.")],
-        [msg(USER, "a"), msg(ASSISTANT, "Bright."), msg(USER, "b"), msg(ASSISTANT, "Gentle garden.")],
-    ])
+    tok, model = (
+        AutoTokenizer.from_pretrained(tiny_model_dir),
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(),
+    )
+    conversations = tokenize_conversations(
+        tok,
+        [
+            [msg(USER, "Tell me about the river in Alder."), msg(ASSISTANT, "River calm kind.")],
+            [msg(USER, "a"), msg(ASSISTANT, "Bright."), msg(USER, "b"), msg(ASSISTANT, "Gentle garden.")],
+        ],
+    )
     with torch.no_grad():
         packed = token_nll(model, pack_sequences([c.input_ids for c in conversations], tok.pad_token_id), conversations)
         total, count = 0.0, 0
@@ -98,17 +117,25 @@ def test_packed_loss_equals_transformers_own_masked_loss(tiny_model_dir):
 
 def run(tmp_path, inputs, tokenizer, *extra):
     args = [a for i in inputs for a in ("--input", str(i))]
-    return prepare_sft.main([*args, "--tokenizer", str(tokenizer), "--out", str(tmp_path / "out"), *extra]), tmp_path / "out"
+    return prepare_sft.main(
+        [*args, "--tokenizer", str(tokenizer), "--out", str(tmp_path / "out"), *extra]
+    ), tmp_path / "out"
 
 
 def test_prepare_sft_splits_by_prompt_and_the_train_script_reads_it(tmp_path, tiny_model_dir):
     rows = [{"prompt": f"Tell me about the river in town {i % 40}.", "response": "River calm."} for i in range(200)]
     rows.append({"messages": [msg(USER, "x"), msg(ASSISTANT, "River " * 400)]})  # over --max-length
     (tmp_path / "demos.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    code, out = run(tmp_path, [tmp_path / "demos.jsonl"], tiny_model_dir, "--validation-fraction", "0.1", "--max-length", "256")
+    code, out = run(
+        tmp_path, [tmp_path / "demos.jsonl"], tiny_model_dir, "--validation-fraction", "0.1", "--max-length", "256"
+    )
     assert code == 0
     summary = json.loads((out / "sft_summary.json").read_text())
-    assert summary["read"] == 201 and summary["dropped"] == {"too_long": 1} and summary["train"] + summary["validation"] == 200
+    assert (
+        summary["read"] == 201
+        and summary["dropped"] == {"too_long": 1}
+        and summary["train"] + summary["validation"] == 200
+    )
     train, validation = (pq.read_table(out / f"sft_{s}.parquet").to_pylist() for s in ("train", "validation"))
     assert 15 <= len(validation) <= 25
     assert not {json.dumps(r["messages"][0]) for r in train} & {json.dumps(r["messages"][0]) for r in validation}
@@ -119,7 +146,9 @@ def test_prepare_sft_splits_by_prompt_and_the_train_script_reads_it(tmp_path, ti
 
 
 def test_prepare_sft_refuses_a_malformed_row_by_file_and_line(tmp_path, tiny_model_dir, capsys):
-    (tmp_path / "demos.jsonl").write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n" + json.dumps({"prompt": "a"}) + "\n")
+    (tmp_path / "demos.jsonl").write_text(
+        json.dumps({"prompt": "a", "response": "b"}) + "\n" + json.dumps({"prompt": "a"}) + "\n"
+    )
     code, out = run(tmp_path, [tmp_path / "demos.jsonl"], tiny_model_dir)
     assert code == 2 and f"{tmp_path / 'demos.jsonl'}:2: field 'messages'" in capsys.readouterr().err
     assert not out.exists()

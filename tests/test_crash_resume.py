@@ -59,7 +59,9 @@ def test_sigterm_writes_a_checkpoint_and_exits_cleanly(rm_run, tiny_model_dir, r
     assert_resume_matches(rm_run, config, tmp_path / "run", expect_from=stopped_at)
 
 
-def test_sigkill_mid_run_then_inside_a_checkpoint_write_resumes_from_the_last_complete_one(rm_run, tiny_model_dir, rm_data, tmp_path):
+def test_sigkill_mid_run_then_inside_a_checkpoint_write_resumes_from_the_last_complete_one(
+    rm_run, tiny_model_dir, rm_data, tmp_path
+):
     """Killed at step 25 (past the step-20 checkpoint); the resumed run is itself killed inside its
     step-40 save, after the engine states are written and before the directory is renamed into
     place; the second resume starts at 20 again and reproduces the uninterrupted run."""
@@ -83,14 +85,18 @@ def test_disk_full_at_save_time_is_a_clear_error_and_loses_nothing(tiny_model_di
     result = launch("train_rm.py", config, env=faults(fail_checkpoint_write_at=40), check=False)
     checkpoints = tmp_path / "run" / "checkpoints"
     assert result.returncode != 0
-    assert (f"checkpoint error: could not write checkpoint {checkpoints}/step00000040 ([Errno 28] No space left on device"
-            in result.stderr), result.stderr[-2000:]
+    assert (
+        f"checkpoint error: could not write checkpoint {checkpoints}/step00000040 ([Errno 28] No space left on device"
+        in result.stderr
+    ), result.stderr[-2000:]
     assert f"the previous checkpoint {checkpoints}/step00000020 is intact" in result.stderr
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step00000020"]  # no torn directory left
     assert (tmp_path / "run" / "report.html").exists()
 
 
-def test_a_real_write_failure_stops_every_rank_at_once_and_keeps_the_previous_checkpoint(tiny_model_dir, rm_data, tmp_path):
+def test_a_real_write_failure_stops_every_rank_at_once_and_keeps_the_previous_checkpoint(
+    tiny_model_dir, rm_data, tmp_path
+):
     """The file system refuses for real: a 1 MiB file-size limit (RLIMIT_FSIZE) is hit by the
     optimizer shards of the step-4 save; torch's writer raises RuntimeError inside DeepSpeed's save
     on both ranks, and neither waits for a collective timeout."""
@@ -99,11 +105,26 @@ def test_a_real_write_failure_stops_every_rank_at_once_and_keeps_the_previous_ch
     launch("train_rm.py", config, *common, ranks=2)  # a checkpoint at step 2, the model at 3
     checkpoints = tmp_path / "run" / "checkpoints"
     before = {p: p.stat().st_size for p in (checkpoints / "step00000002").rglob("*")}
-    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))  # noqa: E731
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
     start = time.monotonic()
-    failed = subprocess.run([*launcher_cmd(2), str(REPO / "train" / "train_rm.py"), "--config", str(config), *common, "--resume",
-                             "--train.max_steps", "6"], capture_output=True, text=True, timeout=300, cwd=REPO,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=limit)
+    failed = subprocess.run(
+        [
+            *launcher_cmd(2),
+            str(REPO / "train" / "train_rm.py"),
+            "--config",
+            str(config),
+            *common,
+            "--resume",
+            "--train.max_steps",
+            "6",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        preexec_fn=limit,
+    )
     assert failed.returncode != 0 and time.monotonic() - start < 120
     output = failed.stdout + failed.stderr
     assert f"checkpoint error: could not write checkpoint {checkpoints}/step00000004 (" in output, output[-3000:]
@@ -135,18 +156,30 @@ def test_resume_with_another_config_is_refused_unless_allowed(rm_run, tmp_path):
     config["logging"]["output_dir"] = str(run)
     config["train"]["pairs_per_step"] = 16
     (tmp_path / "rm.json").write_text(json.dumps(config))
-    refused = subprocess.run([*launcher_cmd(1), str(REPO / "train" / "train_rm.py"), "--config", str(tmp_path / "rm.json"), "--resume"],
-                             capture_output=True, text=True, timeout=300, cwd=REPO)
+    refused = subprocess.run(
+        [*launcher_cmd(1), str(REPO / "train" / "train_rm.py"), "--config", str(tmp_path / "rm.json"), "--resume"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert refused.returncode != 0
     assert "belongs to a different run (pairs_per_step: checkpoint 32, now 16)" in refused.stdout + refused.stderr
-    allowed = launch("train_rm.py", tmp_path / "rm.json", "--resume", "--allow-config-change", "--train.max_steps", "42")
+    allowed = launch(
+        "train_rm.py", tmp_path / "rm.json", "--resume", "--allow-config-change", "--train.max_steps", "42"
+    )
     assert "resumed at step 40" in allowed.stdout
 
 
 def test_unwritable_output_dir_fails_before_training(tiny_model_dir, rm_data, tmp_path):
     (tmp_path / "blocker").write_text("a file where the run directory should go")
     config = write_rm_config(tmp_path / "rm.json", tiny_model_dir, rm_data, tmp_path / "blocker" / "run")
-    result = subprocess.run([*launcher_cmd(1), str(REPO / "train" / "train_rm.py"), "--config", str(config)],
-                            capture_output=True, text=True, timeout=300, cwd=REPO)
+    result = subprocess.run(
+        [*launcher_cmd(1), str(REPO / "train" / "train_rm.py"), "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert result.returncode != 0
     assert "is not writable" in result.stdout + result.stderr

@@ -24,15 +24,37 @@ def test_rm_dry_run_under_the_launcher_prints_the_plan_once(tiny_model_dir, rm_d
 
 def test_ppo_dry_run_counts_four_models_and_writes_nothing(tiny_model_dir, rm_run, rm_data, tmp_path):
     rm_root, _ = rm_run
-    config = write_ppo_config(tmp_path / "ppo.json", tiny_model_dir, rm_root / "run" / "model", rm_data, tmp_path / "run")
-    result = subprocess.run([sys.executable, str(REPO / "train" / "train_ppo.py"), "--config", str(config), "--dry-run",
-                             "--deepspeed", "tiny_cpu_zero2.json"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    config = write_ppo_config(
+        tmp_path / "ppo.json", tiny_model_dir, rm_root / "run" / "model", rm_data, tmp_path / "run"
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "train" / "train_ppo.py"),
+            "--config",
+            str(config),
+            "--dry-run",
+            "--deepspeed",
+            "tiny_cpu_zero2.json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "rollout: 16 prompts x 4 samples = 64 sequences per iteration" in out
     assert "2 optimizer steps per iteration per trained model" in out
-    assert re.search(r"1 \(each prompt once for its 4 samples: \d\d% fewer tokens\) per experience forward", out), out  # ppo.share_prompt
-    for name, kind in (("actor", "trained): ZeRO-2"), ("critic", "trained): ZeRO-2"), ("reference", "frozen"), ("reward model", "frozen")):
+    assert re.search(r"1 \(each prompt once for its 4 samples: \d\d% fewer tokens\) per experience forward", out), (
+        out
+    )  # ppo.share_prompt
+    for name, kind in (
+        ("actor", "trained): ZeRO-2"),
+        ("critic", "trained): ZeRO-2"),
+        ("reference", "frozen"),
+        ("reward model", "frozen"),
+    ):
         line = next(line for line in out.splitlines() if line.strip().startswith(name))
         assert kind in line, line
     assert "vLLM sampler" in out
@@ -41,12 +63,27 @@ def test_ppo_dry_run_counts_four_models_and_writes_nothing(tiny_model_dir, rm_ru
 
 def test_ppo_dry_run_shows_the_tensor_parallel_layout(tiny_model_dir, rm_run, rm_data, tmp_path):
     rm_root, _ = rm_run
-    config = write_ppo_config(tmp_path / "ppo.json", tiny_model_dir, rm_root / "run" / "model", rm_data, tmp_path / "run")
+    config = write_ppo_config(
+        tmp_path / "ppo.json", tiny_model_dir, rm_root / "run" / "model", rm_data, tmp_path / "run"
+    )
     lines = {}
     for tp in (1, 2):
-        result = subprocess.run([sys.executable, str(REPO / "train" / "train_ppo.py"), "--config", str(config), "--dry-run",
-                                 "--rollout.tensor_parallel_size", str(tp)], capture_output=True, text=True, timeout=300, cwd=REPO,
-                                env={**os.environ, "WORLD_SIZE": "2"})
+        result = subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "train" / "train_ppo.py"),
+                "--config",
+                str(config),
+                "--dry-run",
+                "--rollout.tensor_parallel_size",
+                str(tp),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=REPO,
+            env={**os.environ, "WORLD_SIZE": "2"},
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         lines[tp] = next(line for line in result.stdout.splitlines() if "vLLM sampler" in line)
     assert "2 engine(s), one per rank: " in lines[1] and "1 engine(s) of tensor parallel size 2: " in lines[2]

@@ -14,7 +14,9 @@ from helpers import launcher_cmd
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "scripts" / "ds_config_steps.py"
 # DeepSpeed configs (the folder also holds the demo run configs, which point at one of these).
-CONFIGS = sorted(p.name for p in (REPO / "ds_configs").glob("*.json") if "zero_optimization" in json.loads(p.read_text()))
+CONFIGS = sorted(
+    p.name for p in (REPO / "ds_configs").glob("*.json") if "zero_optimization" in json.loads(p.read_text())
+)
 
 
 def run_steps(cmd: list[str]) -> dict:
@@ -31,7 +33,9 @@ def one_rank(tiny_model_dir) -> dict[str, dict]:
 
 
 def test_shipped_configs_cover_the_documented_set():
-    assert {"zero2.json", "zero3.json", "zero3_offload.json", "tiny_cpu_zero2.json", "tiny_cpu_zero3.json"} <= set(CONFIGS)
+    assert {"zero2.json", "zero3.json", "zero3_offload.json", "tiny_cpu_zero2.json", "tiny_cpu_zero3.json"} <= set(
+        CONFIGS
+    )
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -56,7 +60,10 @@ def test_two_ranks_under_the_deepspeed_launcher(one_rank, tiny_model_dir):
     assert result["losses"][1] != pytest.approx(single[1], abs=1e-6)
 
 
-@pytest.mark.parametrize("name, schema", [("demo_sft.json", "SFTConfig"), ("demo_rm.json", "RewardModelConfig"), ("demo_ppo.json", "PPOConfig")])
+@pytest.mark.parametrize(
+    "name, schema",
+    [("demo_sft.json", "SFTConfig"), ("demo_rm.json", "RewardModelConfig"), ("demo_ppo.json", "PPOConfig")],
+)
 def test_demo_run_configs_load(name, schema):
     from engine import run_config
     from engine.config import load_config
@@ -73,5 +80,7 @@ def test_ppo_gpu_options_are_checked(tmp_path):
     demo["rollout"]["vllm_gpu_memory_utilization"] = 1.5
     path = tmp_path / "ppo.json"
     path.write_text(json.dumps(demo))
-    with pytest.raises(ConfigError, match=r"ppo.json: 'rollout.vllm_gpu_memory_utilization' must be > 0 and < 1, got 1.5"):
+    with pytest.raises(
+        ConfigError, match=r"ppo.json: 'rollout.vllm_gpu_memory_utilization' must be > 0 and < 1, got 1.5"
+    ):
         load_config(run_config.PPOConfig, str(path))

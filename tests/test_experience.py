@@ -21,22 +21,35 @@ def models(tiny_model_dir, rm_run):
     root, _ = rm_run
     rm_dir = str(root / "run" / "model")
     torch.manual_seed(0)
-    scorer = RewardScorer(load_value_model(rm_dir).eval(), AutoTokenizer.from_pretrained(rm_dir), rm_dir, normalize=True, clip=5.0,
-                          rules={}, no_eos_penalty=0.0, max_tokens=512)
+    scorer = RewardScorer(
+        load_value_model(rm_dir).eval(),
+        AutoTokenizer.from_pretrained(rm_dir),
+        rm_dir,
+        normalize=True,
+        clip=5.0,
+        rules={},
+        no_eos_penalty=0.0,
+        max_tokens=512,
+    )
     actor = load_causal_lm(str(tiny_model_dir)).eval()
-    return actor, load_value_model(str(tiny_model_dir), ["value"]).eval(), scorer, AutoTokenizer.from_pretrained(tiny_model_dir)
+    return (
+        actor,
+        load_value_model(str(tiny_model_dir), ["value"]).eval(),
+        scorer,
+        AutoTokenizer.from_pretrained(tiny_model_dir),
+    )
 
 
 def samples(vocab: int) -> list[Sample]:
     g = torch.Generator().manual_seed(0)
-    ids = lambda n: torch.randint(4, vocab, (n,), generator=g).tolist()  # noqa: E731
+    ids = lambda n: torch.randint(4, vocab, (n,), generator=g).tolist()
     return [Sample(ids(p), ids(r), [0.0] * r, finished=True) for p, r in zip(PROMPT_LENS, RESPONSE_LENS)]
 
 
 def grouped_samples(vocab: int) -> list[Sample]:
     """Three prompts with three samples each, contiguous as the sampler returns them."""
     g = torch.Generator().manual_seed(1)
-    ids = lambda n: torch.randint(4, vocab, (n,), generator=g).tolist()  # noqa: E731
+    ids = lambda n: torch.randint(4, vocab, (n,), generator=g).tolist()
     out = []
     for p, responses in zip((7, 3, 12), ((5, 1, 8), (2, 6, 3), (4, 9, 1))):
         prompt = ids(p)
@@ -49,9 +62,22 @@ def test_make_experience_equals_naive_padded_forwards(process_group, models):
     batch = samples(actor.config.vocab_size)
     prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(len(batch))]
     # ref = actor: the KL is zero, so each token's reward is 0 but the last (the score); gamma = lam = 1.
-    exp, stats = make_experience(batch, prompt_messages=prompts, actor=actor, critic=critic, ref=actor, scorer=scorer,
-                                 value_weights=torch.ones(1), tokenizer=tokenizer, max_tokens=24, kl_estimator="k1", kl_coef=0.5,
-                                 gamma=1.0, lam=1.0, whiten_advantages=True)
+    exp, stats = make_experience(
+        batch,
+        prompt_messages=prompts,
+        actor=actor,
+        critic=critic,
+        ref=actor,
+        scorer=scorer,
+        value_weights=torch.ones(1),
+        tokenizer=tokenizer,
+        max_tokens=24,
+        kl_estimator="k1",
+        kl_coef=0.5,
+        gamma=1.0,
+        lam=1.0,
+        whiten_advantages=True,
+    )
     T = max(RESPONSE_LENS)
     assert exp.mask.shape == (4, T) and exp.mask.sum(1).tolist() == RESPONSE_LENS
     texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in batch]
@@ -69,7 +95,9 @@ def test_make_experience_equals_naive_padded_forwards(process_group, models):
         torch.testing.assert_close(exp.returns[i, :r], scores[i].expand(r))  # undiscounted: every return is the score
     assert exp.kl.eq(0).all() and torch.equal(exp.ref_logprobs, exp.old_logprobs)
     raw = (exp.returns - exp.old_values)[exp.mask]  # GAE with lam = 1: return - value, then whitened over the batch
-    torch.testing.assert_close(exp.advantages[exp.mask], (raw - raw.mean()) / (raw.var(unbiased=False) + 1e-8).sqrt(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        exp.advantages[exp.mask], (raw - raw.mean()) / (raw.var(unbiased=False) + 1e-8).sqrt(), atol=1e-5, rtol=0
+    )
     assert stats["kl"] == 0.0 and stats["score"] == pytest.approx(scores.mean().item())
     assert stats["response_length"] == sum(RESPONSE_LENS) / 4 and stats["finished"] == 1.0
     assert stats["sampler_logprob_gap"] > 0  # the samples carry made-up (zero) sampler log-probs
@@ -78,11 +106,27 @@ def test_make_experience_equals_naive_padded_forwards(process_group, models):
 def test_old_logprobs_from_the_sampler_skip_the_actor_forward(process_group, models):
     actor, critic, scorer, tokenizer = models
     batch = samples(actor.config.vocab_size)
-    batch = [Sample(s.prompt_ids, s.response_ids, [-0.5 - 0.1 * j for j in range(len(s.response_ids))], True) for s in batch]
+    batch = [
+        Sample(s.prompt_ids, s.response_ids, [-0.5 - 0.1 * j for j in range(len(s.response_ids))], True) for s in batch
+    ]
     prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(len(batch))]
-    exp, stats = make_experience(batch, prompt_messages=prompts, actor=None, critic=critic, ref=actor, scorer=scorer,
-                                 value_weights=torch.ones(1), tokenizer=tokenizer, max_tokens=24, kl_estimator="k1", kl_coef=0.5,
-                                 gamma=1.0, lam=1.0, whiten_advantages=True, old_logprobs_from_sampler=True)
+    exp, stats = make_experience(
+        batch,
+        prompt_messages=prompts,
+        actor=None,
+        critic=critic,
+        ref=actor,
+        scorer=scorer,
+        value_weights=torch.ones(1),
+        tokenizer=tokenizer,
+        max_tokens=24,
+        kl_estimator="k1",
+        kl_coef=0.5,
+        gamma=1.0,
+        lam=1.0,
+        whiten_advantages=True,
+        old_logprobs_from_sampler=True,
+    )
     for i, s in enumerate(batch):  # no actor forward ran (actor=None): the sampler's log-probs, padded
         assert exp.old_logprobs[i, : len(s.logprobs)].tolist() == pytest.approx(s.logprobs)
     assert "sampler_logprob_gap" not in stats  # nothing to measure it against
@@ -91,12 +135,32 @@ def test_old_logprobs_from_the_sampler_skip_the_actor_forward(process_group, mod
 
 def test_truncated_importance_weights_compare_the_actor_with_the_sampler(process_group, models):
     actor, critic, scorer, tokenizer = models
-    batch = [Sample(s.prompt_ids, s.response_ids, [-1.0] * len(s.response_ids), True) for s in samples(actor.config.vocab_size)]
+    batch = [
+        Sample(s.prompt_ids, s.response_ids, [-1.0] * len(s.response_ids), True)
+        for s in samples(actor.config.vocab_size)
+    ]
     prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(len(batch))]
-    exp, stats = make_experience(batch, prompt_messages=prompts, actor=actor, critic=None, ref=actor, scorer=scorer,
-                                 value_weights=torch.ones(1), tokenizer=tokenizer, max_tokens=24, kl_estimator="k1", kl_coef=0.0,
-                                 gamma=1.0, lam=1.0, whiten_advantages=False, advantage_estimator="reinforce_pp", tis_cap=1.5)
-    want = (exp.old_logprobs + 1.0).exp().clamp(max=1.5) * exp.mask  # pi_actor / pi_sampler, the sampler's log-prob -1 each
+    exp, stats = make_experience(
+        batch,
+        prompt_messages=prompts,
+        actor=actor,
+        critic=None,
+        ref=actor,
+        scorer=scorer,
+        value_weights=torch.ones(1),
+        tokenizer=tokenizer,
+        max_tokens=24,
+        kl_estimator="k1",
+        kl_coef=0.0,
+        gamma=1.0,
+        lam=1.0,
+        whiten_advantages=False,
+        advantage_estimator="reinforce_pp",
+        tis_cap=1.5,
+    )
+    want = (exp.old_logprobs + 1.0).exp().clamp(
+        max=1.5
+    ) * exp.mask  # pi_actor / pi_sampler, the sampler's log-prob -1 each
     torch.testing.assert_close(exp.is_weights, want)
     assert stats["tis_weight"] == pytest.approx(want[exp.mask].mean().item(), abs=1e-6)
     assert stats["tis_truncated"] == pytest.approx((want[exp.mask] >= 1.5).float().mean().item())
@@ -123,17 +187,35 @@ def test_shared_prompts_give_the_experience_of_whole_sequences(process_group, mo
     results = []
     for share in (False, True):
         monkeypatch.setattr(scorer, "share_prompts", share)
-        results.append(make_experience(batch, prompt_messages=prompts, actor=actor, critic=critic, ref=actor, scorer=scorer,
-                                       value_weights=torch.ones(1), tokenizer=tokenizer, max_tokens=24, kl_estimator="k1",
-                                       kl_coef=0.1, gamma=1.0, lam=0.95, whiten_advantages=True, share_prompts=share, tis_cap=2.0)[0])
+        results.append(
+            make_experience(
+                batch,
+                prompt_messages=prompts,
+                actor=actor,
+                critic=critic,
+                ref=actor,
+                scorer=scorer,
+                value_weights=torch.ones(1),
+                tokenizer=tokenizer,
+                max_tokens=24,
+                kl_estimator="k1",
+                kl_coef=0.1,
+                gamma=1.0,
+                lam=0.95,
+                whiten_advantages=True,
+                share_prompts=share,
+                tis_cap=2.0,
+            )[0]
+        )
     whole, shared = results
     for field in ("old_logprobs", "ref_logprobs", "old_values", "scores", "advantages", "returns", "is_weights"):
         torch.testing.assert_close(getattr(shared, field), getattr(whole, field), atol=1e-5, rtol=0, msg=field)
 
 
 @pytest.mark.parametrize("per_branch_calls", [False, True])
-def test_shared_prompts_give_the_log_probs_values_and_gradients_of_whole_sequences(process_group, tiny_model_dir, per_branch_calls,
-                                                                                   monkeypatch):
+def test_shared_prompts_give_the_log_probs_values_and_gradients_of_whole_sequences(
+    process_group, tiny_model_dir, per_branch_calls, monkeypatch
+):
     """Training forwards: the prompt once per micro-batch (its group split where over the budget)
     gives each response's log-probs, entropy and values, and the gradients, of whole sequences;
     with short groups sharing masked attention calls, or a prompt call and one per response."""
@@ -150,7 +232,9 @@ def test_shared_prompts_give_the_log_probs_values_and_gradients_of_whole_sequenc
         got, n = {}, 0
         for model in models.values():
             model.zero_grad()
-        for indices, packed in micro_batches(models["actor"], sequences, prompt_lens, max_tokens=24, pad_token_id=0, share_prompts=share):
+        for indices, packed in micro_batches(
+            models["actor"], sequences, prompt_lens, max_tokens=24, pad_token_id=0, share_prompts=share
+        ):
             n += packed.num_tokens
             lens = [prompt_lens[i] for i in indices]
             logprobs, entropy = response_logprobs(models["actor"], packed, lens, with_entropy=True, entropy_grad=True)
@@ -160,11 +244,19 @@ def test_shared_prompts_give_the_log_probs_values_and_gradients_of_whole_sequenc
                 got[i] = (lp.detach(), h.detach(), v.detach())
                 loss = loss + (weights[i, : len(lp)] * (lp + 0.1 * h + v**2)).sum()
             loss.backward()
-        grads = {f"{m}.{n}": p.grad.clone() for m, model in models.items() for n, p in model.named_parameters() if p.grad is not None}
+        grads = {
+            f"{m}.{n}": p.grad.clone()
+            for m, model in models.items()
+            for n, p in model.named_parameters()
+            if p.grad is not None
+        }
         results.append((got, grads))
         tokens.append(n)
     (want, want_g), (have, have_g) = results
-    assert tokens == [105, 73]  # each prompt once per micro-batch (the 12-token one twice: its group split), not once per sample
+    assert tokens == [
+        105,
+        73,
+    ]  # each prompt once per micro-batch (the 12-token one twice: its group split), not once per sample
     for i, s in enumerate(batch):
         for w, h in zip(want[i], have[i]):
             assert len(h) == len(s.response_ids)

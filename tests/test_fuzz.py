@@ -19,12 +19,18 @@ from engine.run_config import SCRIPT_CONFIGS
 
 ROW_KEYS = ["prompt", "chosen", "rejected", "margin", "components", "role", "content", "extra"]
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=30), st.sampled_from(["\n\nHuman: hi\n\nAssistant: yo", "\n\nAssistant:", "user", "assistant"]),
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 3),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=30),
+    st.sampled_from(["\n\nHuman: hi\n\nAssistant: yo", "\n\nAssistant:", "user", "assistant"]),
 )
 json_values = st.recursive(
     scalars,
-    lambda children: st.one_of(st.lists(children, max_size=4), st.dictionaries(st.sampled_from(ROW_KEYS), children, max_size=5)),
+    lambda children: st.one_of(
+        st.lists(children, max_size=4), st.dictionaries(st.sampled_from(ROW_KEYS), children, max_size=5)
+    ),
     max_leaves=12,
 )
 rows = st.one_of(json_values, st.dictionaries(st.sampled_from(ROW_KEYS), json_values, max_size=6))
@@ -40,8 +46,13 @@ def test_any_row_parses_or_is_rejected_with_a_reason(row):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(lines=st.lists(st.one_of(rows.map(json.dumps), st.text(max_size=40).filter(lambda t: "\n" not in t and "\r" not in t)),
-                      min_size=1, max_size=8))
+@given(
+    lines=st.lists(
+        st.one_of(rows.map(json.dumps), st.text(max_size=40).filter(lambda t: "\n" not in t and "\r" not in t)),
+        min_size=1,
+        max_size=8,
+    )
+)
 def test_any_file_reads_or_fails_naming_file_and_line(lines):
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "rows.jsonl"
@@ -59,15 +70,36 @@ config_values = st.recursive(
     scalars,
     lambda children: st.one_of(
         st.lists(children, max_size=3),
-        st.dictionaries(st.sampled_from(["path", "train", "lr", "seed", "components", "stage", "rm", "ppo", "x"]), children, max_size=4),
+        st.dictionaries(
+            st.sampled_from(["path", "train", "lr", "seed", "components", "stage", "rm", "ppo", "x"]),
+            children,
+            max_size=4,
+        ),
     ),
     max_leaves=10,
 )
-section_names = ["model", "actor", "data", "rm", "train", "optim", "checkpoint", "logging", "deepspeed", "ppo", "rollout", "critic", "nope"]
+section_names = [
+    "model",
+    "actor",
+    "data",
+    "rm",
+    "train",
+    "optim",
+    "checkpoint",
+    "logging",
+    "deepspeed",
+    "ppo",
+    "rollout",
+    "critic",
+    "nope",
+]
 
 
 @settings(max_examples=300, deadline=None)
-@given(data=st.dictionaries(st.sampled_from(section_names), config_values, max_size=6), script=st.sampled_from(sorted(SCRIPT_CONFIGS)))
+@given(
+    data=st.dictionaries(st.sampled_from(section_names), config_values, max_size=6),
+    script=st.sampled_from(sorted(SCRIPT_CONFIGS)),
+)
 def test_any_config_builds_or_is_refused_naming_the_file(data, script):
     try:
         build_config(SCRIPT_CONFIGS[script], data, source="run.json")

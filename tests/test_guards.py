@@ -56,9 +56,20 @@ def test_rm_skips_injected_nan_steps_and_aborts_after_n_in_a_row(tiny_model_dir,
     assert all(v == v for v in metric_series(tmp_path / "run", "eval/loss_total").values())  # the model stayed finite
     assert (tmp_path / "run" / "model" / "model.safetensors").exists()
 
-    aborted = launch("train_rm.py", config, "--logging.output_dir", str(tmp_path / "aborted"), "--guards.max_nonfinite_in_a_row", "2",
-                     env=faults(nan_loss_at_steps=[2, 3, 4]), check=False)
+    aborted = launch(
+        "train_rm.py",
+        config,
+        "--logging.output_dir",
+        str(tmp_path / "aborted"),
+        "--guards.max_nonfinite_in_a_row",
+        "2",
+        env=faults(nan_loss_at_steps=[2, 3, 4]),
+        check=False,
+    )
     assert aborted.returncode != 0
-    assert "training aborted: 2 optimizer steps in a row had a non-finite loss or gradient (last: step 3)" in aborted.stderr
+    assert (
+        "training aborted: 2 optimizer steps in a row had a non-finite loss or gradient (last: step 3)"
+        in aborted.stderr
+    )
     assert [e["event"] for e in read_events(tmp_path / "aborted")] == ["nonfinite_skip", "nonfinite_abort"]
     assert not (tmp_path / "aborted" / "model").exists()

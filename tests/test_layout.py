@@ -10,8 +10,15 @@ REPO = Path(__file__).resolve().parent.parent
 # Lowest first. A module may import from its own layer's package and from layers below it; sft, rm
 # and ppo are peers that never import each other. engine/config.py and engine/run_config.py (the config
 # schema) sit under everything; train/ sits on top.
-LAYERS = [("engine.config", "engine.run_config"), ("engine.data",), ("engine.observe",), ("engine.runtime",),
-          ("engine.rollout",), ("engine.sft", "engine.rm", "engine.ppo"), ("train",)]
+LAYERS = [
+    ("engine.config", "engine.run_config"),
+    ("engine.data",),
+    ("engine.observe",),
+    ("engine.runtime",),
+    ("engine.rollout",),
+    ("engine.sft", "engine.rm", "engine.ppo"),
+    ("train",),
+]
 
 
 def module_name(path: Path) -> str:
@@ -64,7 +71,7 @@ def test_engine_modules_import_no_cycle():
 
     def visit(node: str, trail: list[str]) -> None:
         if state.get(node) == 1:
-            raise AssertionError("import cycle: " + " -> ".join(trail[trail.index(node):] + [node]))
+            raise AssertionError("import cycle: " + " -> ".join(trail[trail.index(node) :] + [node]))
         if state.get(node) == 2 or node not in graph:
             return
         state[node] = 1
@@ -76,10 +83,17 @@ def test_engine_modules_import_no_cycle():
         visit(node, [])
 
 
+MAX_MAIN_STATEMENTS = 80  # train_ppo.py's main() today; a recipe grows by calling engine/ pieces, not by inlining them
+
+
 def test_launched_scripts_are_recipes():
-    """Each script's main() reads like its docstring: at most ~120 lines, no function defined inside it."""
+    """Each script's main() reads like its docstring: at most MAX_MAIN_STATEMENTS statements (counted
+    in the syntax tree, so the formatter's line breaks do not count), no function defined inside it."""
     for path in sorted((REPO / "train").glob("train_*.py")):
         main = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef) and n.name == "main")
-        assert main.end_lineno - main.lineno + 1 <= 120, f"{path.name}: main() is {main.end_lineno - main.lineno + 1} lines"
-        nested = [n.name for n in ast.walk(main) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n is not main]
+        statements = sum(isinstance(n, ast.stmt) for n in ast.walk(main)) - 1
+        assert statements <= MAX_MAIN_STATEMENTS, f"{path.name}: main() has {statements} statements"
+        nested = [
+            n.name for n in ast.walk(main) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n is not main
+        ]
         assert not nested, f"{path.name}: functions defined inside main(): {nested}"

@@ -30,8 +30,11 @@ class Counter(Stateful):
 
 def snapshot(root: Path) -> dict[str, tuple[int, str]]:
     """Every file under ``root`` with its size and content hash."""
-    return {str(p.relative_to(root)): (p.stat().st_size, hashlib.sha1(p.read_bytes()).hexdigest())
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): (p.stat().st_size, hashlib.sha1(p.read_bytes()).hexdigest())
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def make_engine(seed: int):
@@ -40,18 +43,42 @@ def make_engine(seed: int):
     torch.manual_seed(seed)
     with open(os.path.join(DS_CONFIGS_DIR, "tiny_cpu_zero2.json")) as f:
         ds_config = training_ds_config(json.load(f), bf16=False)
-    return initialize_training_engine(torch.nn.Linear(4, 3), ds_config, lr=0.1, betas=(0.9, 0.999), weight_decay=0.0,
-                                      lr_scheduler="constant", warmup_steps=0, total_steps=100)
+    return initialize_training_engine(
+        torch.nn.Linear(4, 3),
+        ds_config,
+        lr=0.1,
+        betas=(0.9, 0.999),
+        weight_decay=0.0,
+        lr_scheduler="constant",
+        warmup_steps=0,
+        total_steps=100,
+    )
 
 
 def make_run(out: Path, resume: bool = False, overwrite: bool = False, every_steps: int = 2) -> RunLifecycle:
-    return RunLifecycle(output_dir=str(out), run_args=RunArgs(resume, overwrite, allow_config_change=False, dry_run=False),
-                        identity={"model": "linear"}, export_dir="model", keep_last=5, every_steps=every_steps)
+    return RunLifecycle(
+        output_dir=str(out),
+        run_args=RunArgs(resume, overwrite, allow_config_change=False, dry_run=False),
+        identity={"model": "linear"},
+        export_dir="model",
+        keep_last=5,
+        every_steps=every_steps,
+    )
 
 
 def start(run: RunLifecycle, engine) -> None:
-    run.start(engines={"model": engine}, lr_engine=engine, export_engine=engine, config={"test": True}, total_steps=10,
-              use_tensorboard=False, use_wandb=False, wandb_project="test", progress_bar=False, desc="test")
+    run.start(
+        engines={"model": engine},
+        lr_engine=engine,
+        export_engine=engine,
+        config={"test": True},
+        total_steps=10,
+        use_tensorboard=False,
+        use_wandb=False,
+        wandb_project="test",
+        progress_bar=False,
+        desc="test",
+    )
 
 
 def train_step(run: RunLifecycle, engine) -> None:
@@ -123,7 +150,11 @@ def test_rollback_restores_what_rolls_back_scales_the_lr_and_drops_the_abandoned
     assert kl.value == 200 and guard_count.value == 4  # the KL controller rolls back, a guard's counts do not
     assert torch.equal(weights(engine), at_two) and engine.get_lr() == [0.05] and run.lr_scale == 0.5
     checkpoints = tmp_path / "run" / "checkpoints"
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step00000000", "step00000002"]  # step 3 abandoned
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        "latest",
+        "step00000000",
+        "step00000002",
+    ]  # step 3 abandoned
     assert (checkpoints / "latest").read_text().strip() == "step00000002"
     assert sorted(metric_series(tmp_path / "run", "loss")) == [1, 2]
     [event] = read_events(tmp_path / "run")
@@ -143,10 +174,14 @@ def test_refusals_leave_the_directory_as_it_was(tmp_path):
     (run_dir / "model").mkdir()
     (run_dir / "model" / "model.safetensors").write_bytes(b"w")
     before = snapshot(run_dir)
-    with pytest.raises(RunRefused, match=r"already holds a run \(metrics.jsonl, model\).*--resume.*--overwrite") as refused:
+    with pytest.raises(
+        RunRefused, match=r"already holds a run \(metrics.jsonl, model\).*--resume.*--overwrite"
+    ) as refused:
         make_run(run_dir)
     assert refused.value.kind == "output"
-    with pytest.raises(RunRefused, match=f"nothing to resume: no checkpoint in {run_dir}/checkpoints.*with --overwrite"):
+    with pytest.raises(
+        RunRefused, match=f"nothing to resume: no checkpoint in {run_dir}/checkpoints.*with --overwrite"
+    ):
         make_run(run_dir, resume=True)
     assert snapshot(run_dir) == before
     assert make_run(run_dir, overwrite=True).resume_from is None  # allowed; nothing removed before start()
@@ -229,11 +264,15 @@ def test_a_checkpoint_that_would_run_code_is_refused(deepspeed_ready, tmp_path):
     run.finish(0, "saved")
     marker = tmp_path / "code-ran"
     shard = next((checkpoint / "model").glob("*model_states.pt"))
-    torch.save({"module": RunsCode(marker)}, shard)  # a planted file; the manifest is updated to match, as an attacker would
+    torch.save(
+        {"module": RunsCode(marker)}, shard
+    )  # a planted file; the manifest is updated to match, as an attacker would
     (checkpoint / "MANIFEST.json").unlink()
     _write_manifest(str(checkpoint))
     resumed = make_run(tmp_path / "run", resume=True)
     assert resumed.resume_from == str(checkpoint)  # it looks complete
-    with pytest.raises(RunRefused, match=r"refused to load engine 'model'.*GLOBAL posix.system.*Resume from a checkpoint you trust"):
+    with pytest.raises(
+        RunRefused, match=r"refused to load engine 'model'.*GLOBAL posix.system.*Resume from a checkpoint you trust"
+    ):
         start(resumed, make_engine(1))
     assert not marker.exists()

@@ -38,7 +38,8 @@ def test_loads_with_auto_classes_and_has_a_chat_template(tiny_model_dir):
     assert cfg.vocab_size == len(tok) and tok.eos_token == "<|im_end|>" and tok.pad_token_id != tok.eos_token_id
     assert model.generation_config.eos_token_id == tok.eos_token_id
     text = tok.apply_chat_template(
-        [{"role": "user", "content": "Tell me about the river."}, {"role": "assistant", "content": "Calm."}], tokenize=False
+        [{"role": "user", "content": "Tell me about the river."}, {"role": "assistant", "content": "Calm."}],
+        tokenize=False,
     )
     assert text == "<|im_start|>user\nTell me about the river.<|im_end|>\n<|im_start|>assistant\nCalm.<|im_end|>\n"
     # Byte-level BPE: any text round-trips, including characters never seen in training.
@@ -50,13 +51,19 @@ def test_loads_with_auto_classes_and_has_a_chat_template(tiny_model_dir):
 
 def test_head_dim_that_vllm_cpu_rejects_is_refused(tmp_path, synthetic_pairs):
     with pytest.raises(ValueError, match="head_dim"):
-        make_tiny_model.main(["--text", str(synthetic_pairs), "--out", str(tmp_path / "m"), "--hidden-size", "64", "--num-heads", "4"])
+        make_tiny_model.main(
+            ["--text", str(synthetic_pairs), "--out", str(tmp_path / "m"), "--hidden-size", "64", "--num-heads", "4"]
+        )
 
 
 def test_vllm_cpu_greedy_equals_hf_greedy(tiny_model_dir):
     result = subprocess.run(
         [sys.executable, str(REPO / "tests" / "scripts" / "vllm_greedy.py"), str(tiny_model_dir)],
-        capture_output=True, text=True, timeout=600, cwd=REPO, env={**os.environ},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+        env={**os.environ},
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (line,) = [l for l in result.stdout.splitlines() if l.startswith("{")]

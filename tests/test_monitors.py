@@ -14,7 +14,12 @@ def held_out(responses: list[list[int]], win_rate: float, kl_per_token: float = 
     """The monitored eval metrics of a set of responses (engine/ppo/evaluation.py computes the same)."""
     repeated, total = map(sum, zip(*(repeated_ngrams(r, 4) for r in responses)))
     length_ratio = sum(map(len, responses)) / sum(map(len, REFERENCE))
-    return {"length_ratio": length_ratio, "repeated_ngram_frac": repeated / total, "win_rate": win_rate, "kl_per_token": kl_per_token}
+    return {
+        "length_ratio": length_ratio,
+        "repeated_ngram_frac": repeated / total,
+        "win_rate": win_rate,
+        "kl_per_token": kl_per_token,
+    }
 
 
 def test_repeated_ngrams():
@@ -33,12 +38,17 @@ def test_a_policy_that_only_lengthens_its_answers_is_flagged():
     # Next evaluation: the training reward keeps rising while the held-out win rate falls.
     flags = dict(monitor.check(held_out(padded, win_rate=0.40), train_reward=1.6))
     assert "monitor/reward_up_win_rate_down" in flags
-    assert "rose 1.300 -> 1.600 while the held-out win rate fell 0.450 -> 0.400" in flags["monitor/reward_up_win_rate_down"]
+    assert (
+        "rose 1.300 -> 1.600 while the held-out win rate fell 0.450 -> 0.400"
+        in flags["monitor/reward_up_win_rate_down"]
+    )
 
 
 def test_kl_ceiling_flag_and_state_round_trip():
     monitor = HackingMonitor(1.5, 0.3, kl_ceiling=0.1)
-    assert [k for k, _ in monitor.check(held_out(REFERENCE, 0.6, kl_per_token=0.2), 0.5)] == ["monitor/kl_above_ceiling"]
+    assert [k for k, _ in monitor.check(held_out(REFERENCE, 0.6, kl_per_token=0.2), 0.5)] == [
+        "monitor/kl_above_ceiling"
+    ]
     restored = HackingMonitor(1.5, 0.3, 0.1)
     restored.load_state_dict(monitor.state_dict())
     assert restored == monitor and restored.last_win_rate == 0.6

@@ -9,7 +9,14 @@ from transformers.masking_utils import sdpa_mask
 
 from engine.data import packing
 from engine.data.batching import plan_micro_batches, token_mean_scale
-from engine.data.packing import attention_calls, block_causal_mask, last_token, next_token_logprobs, pack_sequences, packed_forward
+from engine.data.packing import (
+    attention_calls,
+    block_causal_mask,
+    last_token,
+    next_token_logprobs,
+    pack_sequences,
+    packed_forward,
+)
 from engine.ppo.experience import response_logprobs
 from engine.runtime.models import load_causal_lm, load_value_model, resolve_attention
 
@@ -113,7 +120,9 @@ def test_explicit_mask_fallback_equals_position_id_packing(causal_lm, monkeypatc
     seqs = make_sequences(LENGTHS, causal_lm.config.vocab_size)
     packed = pack_sequences(seqs)
     masks = []
-    monkeypatch.setattr("engine.data.packing.block_causal_mask", lambda *a: masks.append(block_causal_mask(*a)) or masks[-1])
+    monkeypatch.setattr(
+        "engine.data.packing.block_causal_mask", lambda *a: masks.append(block_causal_mask(*a)) or masks[-1]
+    )
     with torch.no_grad():
         by_positions = packed_forward(causal_lm, packed)
         assert masks == []
@@ -233,7 +242,9 @@ def test_attention_calls_group_short_neighbours_and_leave_long_sequences_alone()
 
 
 @pytest.mark.parametrize("short_tokens, block_tokens", [(0, 0), (24, 24), (256, 256)])
-def test_sdpa_varlen_with_any_call_grouping_equals_padded_with_gradients(tiny_model_dir, short_tokens, block_tokens, monkeypatch):
+def test_sdpa_varlen_with_any_call_grouping_equals_padded_with_gradients(
+    tiny_model_dir, short_tokens, block_tokens, monkeypatch
+):
     """One call per sequence, short neighbours grouped under a block-diagonal mask, or the whole
     row in one call: the same log-probs and gradients as padded, unpacked sequences."""
     monkeypatch.setattr(packing, "SHORT_SEQUENCE_TOKENS", short_tokens)
@@ -275,16 +286,23 @@ def test_long_shared_prompt_segments_run_a_call_per_branch(monkeypatch):
     monkeypatch.setattr(packing, "branch_attention", lambda *a, **kw: calls.append(a[3:5]) or original(*a, **kw))
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 305, 8) for _ in range(3))  # (1, H, T, D)
-    bounds = torch.tensor([0, 270, 305], dtype=torch.int32)  # 100 + 90 + 80: per-branch calls; 20 + 10 + 5: a masked call
-    got, _ = packing.varlen_sdpa_attention(torch.nn.Module(), q, k, v, None, cu_seq_lens_q=bounds, packed_branches=((90, 80), (10, 5)))
-    want = F.scaled_dot_product_attention(q, k, v, attn_mask=packing.tree_causal(((100, (90, 80)), (20, (10, 5))))).transpose(1, 2)
+    bounds = torch.tensor(
+        [0, 270, 305], dtype=torch.int32
+    )  # 100 + 90 + 80: per-branch calls; 20 + 10 + 5: a masked call
+    got, _ = packing.varlen_sdpa_attention(
+        torch.nn.Module(), q, k, v, None, cu_seq_lens_q=bounds, packed_branches=((90, 80), (10, 5))
+    )
+    want = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=packing.tree_causal(((100, (90, 80)), (20, (10, 5))))
+    ).transpose(1, 2)
     assert calls == [(100, (90, 80))]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("short_tokens, block_tokens", [(0, 256), (0, 0), (256, 256)])
-def test_shared_prompt_rows_give_the_rewards_and_gradients_of_separate_sequences(tiny_model_dir, short_tokens, block_tokens,
-                                                                                 monkeypatch):
+def test_shared_prompt_rows_give_the_rewards_and_gradients_of_separate_sequences(
+    tiny_model_dir, short_tokens, block_tokens, monkeypatch
+):
     """Pairs packed as prompt once + chosen + rejected (one call per pair with a tree mask, or a
     prompt call and one per branch, or all in one call) score and backpropagate like each
     conversation packed whole."""

@@ -60,8 +60,12 @@ def test_zero3_packed_step_equals_padded_full_batch_gradient(two_rank_run, tiny_
 
 def test_shared_prompts_give_the_whole_sequence_gradient_on_two_ranks_under_zero2_and_zero3(tiny_model_dir, rm_data):
     """Reward-model pairs and PPO groups (actor and critic steps, experience log-probs)."""
-    cmd = [*launcher_cmd(2), str(REPO / "tests" / "scripts" / "shared_prompt_steps.py"), str(tiny_model_dir),
-           str(rm_data / "validation.parquet")]
+    cmd = [
+        *launcher_cmd(2),
+        str(REPO / "tests" / "scripts" / "shared_prompt_steps.py"),
+        str(tiny_model_dir),
+        str(rm_data / "validation.parquet"),
+    ]
     (line,) = [l for l in run_launched(cmd, ranks=2).stdout.splitlines() if l.startswith("{")]
     report = json.loads(line)
     assert report["world"] == 2 and report["tokens"]["shared"] < 0.7 * report["tokens"]["plain"]

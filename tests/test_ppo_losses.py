@@ -106,7 +106,9 @@ def test_clipped_policy_loss_cases_by_hand():
 
 
 def test_asymmetric_clip():
-    out = clipped_policy_loss(torch.log(torch.tensor([1.5])), torch.zeros(1), torch.tensor([1.0]), clip_low=0.2, clip_high=0.28)
+    out = clipped_policy_loss(
+        torch.log(torch.tensor([1.5])), torch.zeros(1), torch.tensor([1.0]), clip_low=0.2, clip_high=0.28
+    )
     torch.testing.assert_close(out.loss, torch.tensor([-1.28]))
 
 
@@ -165,14 +167,18 @@ def test_grpo_standardises_within_each_prompts_group_by_hand():
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0]], dtype=torch.bool)
     advantages = grpo_advantages(torch.tensor([1.0, 3.0, 2.0, 2.0]), 2, mask)
     half = 1 / math.sqrt(2)  # (1 - 2) / std([1, 3]) with the unbiased std sqrt(2)
-    expected = torch.tensor([[-half, -half, 0], [half, half, half], [0, 0, 0], [0, 0, 0]])  # an all-equal group: no signal
+    expected = torch.tensor(
+        [[-half, -half, 0], [half, half, half], [0, 0, 0], [0, 0, 0]]
+    )  # an all-equal group: no signal
     assert torch.allclose(advantages, expected, atol=1e-5)
 
 
 def test_rloo_subtracts_the_mean_of_the_other_samples_by_hand():
     mask = torch.ones(3, 2, dtype=torch.bool)
     advantages = rloo_advantages(torch.tensor([1.0, 3.0, 5.0]), 3, mask)
-    assert torch.equal(advantages, torch.tensor([[-3.0, -3.0], [0.0, 0.0], [3.0, 3.0]]))  # 1 - (3+5)/2, 3 - (1+5)/2, 5 - (1+3)/2
+    assert torch.equal(
+        advantages, torch.tensor([[-3.0, -3.0], [0.0, 0.0], [3.0, 3.0]])
+    )  # 1 - (3+5)/2, 3 - (1+5)/2, 5 - (1+3)/2
 
 
 def test_estimators_from_token_rewards_by_hand():
@@ -186,8 +192,11 @@ def test_estimators_from_token_rewards_by_hand():
     assert torch.equal(returns, to_go)
     assert torch.allclose(advantages, (to_go - 1.625) / math.sqrt(1.921875), atol=1e-5)
     # GRPO and RLOO on the sequence totals (score minus KL penalty): 0.0 and 3.0, one group of two.
-    assert torch.allclose(estimate_advantages("grpo", rewards, **common)[0], torch.tensor([[-1.0, -1.0], [1.0, 1.0]]) / math.sqrt(2),
-                          atol=1e-5)
+    assert torch.allclose(
+        estimate_advantages("grpo", rewards, **common)[0],
+        torch.tensor([[-1.0, -1.0], [1.0, 1.0]]) / math.sqrt(2),
+        atol=1e-5,
+    )
     assert torch.allclose(estimate_advantages("rloo", rewards, **common)[0], torch.tensor([[-3.0, -3.0], [3.0, 3.0]]))
     # GAE uses the critic and whitens when asked.
     gae_adv, gae_ret = estimate_advantages("gae", rewards, **common)
@@ -198,4 +207,6 @@ def test_estimators_from_token_rewards_by_hand():
 def test_truncated_importance_weights_by_hand():
     trainer = torch.tensor([[-1.0, -2.0, -0.5]])
     sampler = torch.tensor([[-1.0, -1.0, -2.0]])  # ratios 1, e^-1, e^1.5 ~ 4.48
-    torch.testing.assert_close(truncated_is_weights(trainer, sampler, cap=2.0), torch.tensor([[1.0, math.exp(-1.0), 2.0]]))
+    torch.testing.assert_close(
+        truncated_is_weights(trainer, sampler, cap=2.0), torch.tensor([[1.0, math.exp(-1.0), 2.0]])
+    )

@@ -39,12 +39,24 @@ def test_scorer_combines_rm_rules_and_penalties(process_group, rm_run):
     weights = torch.tensor([stats["weights"]["helpful"], stats["weights"]["harmless"]])
     torch.testing.assert_close(raw, torch.stack([parts["rm_helpful"], parts["rm_harmless"]], -1) @ weights)
     assert raw[0] > raw[1]  # the trained RM prefers the kind answer
-    torch.testing.assert_close(raw[0], raw[2], atol=1e-5, rtol=0)  # finishing does not matter without a penalty (shared prompt: float order)
+    torch.testing.assert_close(
+        raw[0], raw[2], atol=1e-5, rtol=0
+    )  # finishing does not matter without a penalty (shared prompt: float order)
 
-    full = RewardScorer(rm, tok, model_dir, normalize=True, clip=100.0, rules={"test_ppo_rewards:shouting_rule": 0.5},
-                        no_eos_penalty=-1.0, max_tokens=512)
+    full = RewardScorer(
+        rm,
+        tok,
+        model_dir,
+        normalize=True,
+        clip=100.0,
+        rules={"test_ppo_rewards:shouting_rule": 0.5},
+        no_eos_penalty=-1.0,
+        max_tokens=512,
+    )
     score, parts = full.score(prompts, responses, finished)
-    expected = (raw - stats["mean"]) / stats["std"] + 0.5 * torch.tensor([1.0, 0.0, 1.0]) + torch.tensor([0.0, 0.0, -1.0])
+    expected = (
+        (raw - stats["mean"]) / stats["std"] + 0.5 * torch.tensor([1.0, 0.0, 1.0]) + torch.tensor([0.0, 0.0, -1.0])
+    )
     torch.testing.assert_close(score, expected, atol=1e-5, rtol=0)
     assert parts["rule_test_ppo_rewards:shouting_rule"].tolist() == [1.0, 0.0, 1.0]
 

@@ -14,9 +14,18 @@ from engine.config import DS_CONFIGS_DIR
 from engine.data.batching import token_mean_scale
 from engine.ppo.experience import Experience, pad_right, sequence_values
 from engine.ppo.losses import estimate_advantages, kl_penalty
-from engine.ppo.update import GaeSettings, PolicyLossSettings, actor_step, actor_token_loss, critic_step, update_on_rollout
+from engine.ppo.update import (
+    GaeSettings,
+    PolicyLossSettings,
+    actor_step,
+    actor_token_loss,
+    critic_step,
+    update_on_rollout,
+)
 
-SETTINGS = PolicyLossSettings(clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0, kl_loss_coef=0.1, kl_estimator="k3", entropy_coef=0.01)
+SETTINGS = PolicyLossSettings(
+    clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0, kl_loss_coef=0.1, kl_estimator="k3", entropy_coef=0.01
+)
 RESPONSE_LENS = [5, 1, 9, 3, 7, 2, 6, 4]
 
 
@@ -27,11 +36,20 @@ def random_experience(vocab: int, seed: int = 0) -> Experience:
     responses = [torch.randint(4, vocab, (n,), generator=g).tolist() for n in RESPONSE_LENS]
     B, T = len(RESPONSE_LENS), max(RESPONSE_LENS)
     mask = pad_right([torch.ones(n, dtype=torch.bool) for n in RESPONSE_LENS], T)
-    rand = lambda scale=1.0: torch.randn(B, T, generator=g) * scale * mask  # noqa: E731
+    rand = lambda scale=1.0: torch.randn(B, T, generator=g) * scale * mask
     return Experience(
-        sequences=[p + r for p, r in zip(prompts, responses)], prompt_lens=[len(p) for p in prompts], mask=mask,
-        old_logprobs=rand(0.5) - 3.0 * mask, ref_logprobs=rand(0.5) - 3.0 * mask, old_values=rand(), advantages=rand(),
-        returns=rand(), scores=torch.randn(B, generator=g), kl=rand(0.1), is_weights=mask.float(), rewards=rand(),
+        sequences=[p + r for p, r in zip(prompts, responses)],
+        prompt_lens=[len(p) for p in prompts],
+        mask=mask,
+        old_logprobs=rand(0.5) - 3.0 * mask,
+        ref_logprobs=rand(0.5) - 3.0 * mask,
+        old_values=rand(),
+        advantages=rand(),
+        returns=rand(),
+        scores=torch.randn(B, generator=g),
+        kl=rand(0.1),
+        is_weights=mask.float(),
+        rewards=rand(),
     )
 
 
@@ -69,7 +87,9 @@ def test_actor_loss_is_a_token_mean_over_the_mini_batch_whatever_the_split():
 def test_each_setting_changes_its_term_of_the_actor_loss():
     exp = random_experience(vocab=50)
     logprobs, entropy = exp.old_logprobs + 2.0 * exp.mask, torch.rand(exp.mask.shape) * exp.mask  # ratio e^2 ~ 7.4 > 3
-    plain = PolicyLossSettings(clip_low=0.2, clip_high=0.28, clip_ratio_c=None, kl_loss_coef=0.0, kl_estimator="k3", entropy_coef=0.0)
+    plain = PolicyLossSettings(
+        clip_low=0.2, clip_high=0.28, clip_ratio_c=None, kl_loss_coef=0.0, kl_estimator="k3", entropy_coef=0.0
+    )
     base = actor_token_loss(logprobs, entropy, exp, plain)
     assert base.kl is None and base.pg.capped is None
     negative = (exp.advantages < 0) & exp.mask
@@ -84,7 +104,9 @@ def test_each_setting_changes_its_term_of_the_actor_loss():
     torch.testing.assert_close(bonus.per_token, base.per_token - 0.01 * entropy)
     weights = torch.rand(exp.mask.shape) * 2.0 * exp.mask  # truncated importance weights (ppo.tis_cap)
     tis = actor_token_loss(logprobs, entropy, replace(exp, is_weights=weights), replace(plain, kl_loss_coef=0.1))
-    torch.testing.assert_close(tis.per_token, base.per_token * weights + 0.1 * kl.kl)  # the surrogate only, not the KL loss
+    torch.testing.assert_close(
+        tis.per_token, base.per_token * weights + 0.1 * kl.kl
+    )  # the surrogate only, not the KL loss
 
 
 def make_engines(tiny_model_dir, seed: int, ds_file: str = "tiny_cpu_zero2.json", lora_rank: int = 0):
@@ -99,7 +121,9 @@ def make_engines(tiny_model_dir, seed: int, ds_file: str = "tiny_cpu_zero2.json"
     optim = dict(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, lr_scheduler="constant", warmup_steps=0, total_steps=10)
     torch.manual_seed(seed)
     actor = load_causal_lm(str(tiny_model_dir))
-    actor = initialize_training_engine(add_adapters(actor, LoraSection(rank=lora_rank), causal_lm=True) if lora_rank else actor, ds_config, **optim)
+    actor = initialize_training_engine(
+        add_adapters(actor, LoraSection(rank=lora_rank), causal_lm=True) if lora_rank else actor, ds_config, **optim
+    )
     torch.manual_seed(seed)
     critic = initialize_training_engine(load_value_model(str(tiny_model_dir), ["value"]), ds_config, **optim)
     return actor, critic
@@ -124,17 +148,24 @@ def test_zero3_fetches_whole_decoder_layers_and_steps_as_zero2(deepspeed_ready, 
     adapters = lambda: [p for (name, _), p in zip(lora.module.named_parameters(), parameters(lora)) if ".lora_" in name]
     before = adapters()
     actor_step(lora, exp, SETTINGS, 24, pad_id=0)  # as leaves: RuntimeError, a released parameter read in backward
-    assert before and any(not torch.equal(a, b) for a, b in zip(before, adapters()))  # B moves (A's gradient is 0 while B is)
+    assert before and any(
+        not torch.equal(a, b) for a, b in zip(before, adapters())
+    )  # B moves (A's gradient is 0 while B is)
     results = []
     for ds_file in ("tiny_cpu_zero2.json", "tiny_cpu_zero3.json"):
         actor, critic = make_engines(tiny_model_dir, seed=0, ds_file=ds_file)
         for engine in (actor, critic):
             layers = [m for m in engine.module.modules() if type(m).__name__ in engine.module._no_split_modules]
             assert leaves(engine) == (layers if ds_file == "tiny_cpu_zero3.json" else []) and len(layers) > 1
-        stats = actor_step(actor, exp, SETTINGS, 24, pad_id=0) | critic_step(critic, exp, torch.ones(1), value_clip=0.2, max_tokens=24, pad_id=0)
+        stats = actor_step(actor, exp, SETTINGS, 24, pad_id=0) | critic_step(
+            critic, exp, torch.ones(1), value_clip=0.2, max_tokens=24, pad_id=0
+        )
         results.append((stats, parameters(actor) + parameters(critic)))
     (zero2_stats, zero2), (zero3_stats, zero3) = results
-    assert all(zero3_stats[k] == pytest.approx(zero2_stats[k], rel=1e-5, abs=1e-7) for k in zero2_stats), (zero2_stats, zero3_stats)
+    assert all(zero3_stats[k] == pytest.approx(zero2_stats[k], rel=1e-5, abs=1e-7) for k in zero2_stats), (
+        zero2_stats,
+        zero3_stats,
+    )
     diff = torch.cat([(a - b).abs().flatten() for a, b in zip(zero2, zero3)])  # Adam's sign steps, as below
     assert diff.mean() < 1e-9 and diff.max() < 1e-4
 
@@ -150,11 +181,17 @@ def test_real_steps_do_not_depend_on_the_micro_batch_budget(deepspeed_ready, tin
         stats = actor_step(actor, exp, SETTINGS, budget, pad_id=0)
         stats |= critic_step(critic, exp, torch.ones(1), value_clip=0.2, max_tokens=budget, pad_id=0)
         # The gradient norm (before clipping) shows the loss scale; Adam's first step hides it.
-        stats |= {"actor_grad_norm": float(actor.get_global_grad_norm()), "critic_grad_norm": float(critic.get_global_grad_norm())}
+        stats |= {
+            "actor_grad_norm": float(actor.get_global_grad_norm()),
+            "critic_grad_norm": float(critic.get_global_grad_norm()),
+        }
         results.append((stats, parameters(actor), parameters(critic)))
     (one_stats, one_actor, one_critic), (many_stats, many_actor, many_critic) = results
     assert one_stats.keys() == many_stats.keys()
-    assert all(one_stats[k] == pytest.approx(many_stats[k], rel=1e-5, abs=1e-7) for k in one_stats), (one_stats, many_stats)
+    assert all(one_stats[k] == pytest.approx(many_stats[k], rel=1e-5, abs=1e-7) for k in one_stats), (
+        one_stats,
+        many_stats,
+    )
     # Adam's first step is ~lr * g / (|g| + eps): a gradient within float noise of eps may move its
     # weight differently, so the weights agree on average over all of them to 1e-9 (per tensor, one
     # such weight in a 128-element norm already crossed it on one machine) and everywhere to a tenth
@@ -180,24 +217,64 @@ def test_values_from_the_first_critic_step_equal_an_experience_forward(deepspeed
         else:
             critic.eval()
             with torch.no_grad():
-                exp.old_values = pad_right(sequence_values(critic, exp.sequences, exp.prompt_lens, torch.ones(1), 24, 0, True), exp.mask.shape[1])
-            exp.advantages, exp.returns = estimate_advantages("gae", exp.rewards, exp.old_values, exp.mask, 0.99, 0.95, 1, True, group=world)
-        stats = update_on_rollout(actor, critic, exp, settings=SETTINGS, value_weights=torch.ones(1), value_clip=0.2, ppo_epochs=2,
-                                  mini_batch_size=len(exp.sequences), max_tokens=24, pad_id=0, train_actor=True, share_prompts=True, seed=0,
-                                  poison=False, after_step=lambda engine, name: None, values_gae=gae_settings if from_update else None)
+                exp.old_values = pad_right(
+                    sequence_values(critic, exp.sequences, exp.prompt_lens, torch.ones(1), 24, 0, True),
+                    exp.mask.shape[1],
+                )
+            exp.advantages, exp.returns = estimate_advantages(
+                "gae", exp.rewards, exp.old_values, exp.mask, 0.99, 0.95, 1, True, group=world
+            )
+        stats = update_on_rollout(
+            actor,
+            critic,
+            exp,
+            settings=SETTINGS,
+            value_weights=torch.ones(1),
+            value_clip=0.2,
+            ppo_epochs=2,
+            mini_batch_size=len(exp.sequences),
+            max_tokens=24,
+            pad_id=0,
+            train_actor=True,
+            share_prompts=True,
+            seed=0,
+            poison=False,
+            after_step=lambda engine, name: None,
+            values_gae=gae_settings if from_update else None,
+        )
         results.append((exp, stats, parameters(actor) + parameters(critic)))
     (want, want_stats, want_weights), (got, got_stats, got_weights) = results
     assert want.old_values[want.mask].abs().min() > 0  # real values, not the placeholders
     for field in ("old_values", "advantages", "returns"):
         torch.testing.assert_close(getattr(got, field), getattr(want, field), atol=1e-5, rtol=0)
-    assert all(got_stats[k] == pytest.approx(want_stats[k], rel=1e-5, abs=1e-6) for k in want_stats), (want_stats, got_stats)
-    diff = torch.cat([(a - b).abs().flatten() for a, b in zip(want_weights, got_weights)])  # Adam's sign steps, as above
+    assert all(got_stats[k] == pytest.approx(want_stats[k], rel=1e-5, abs=1e-6) for k in want_stats), (
+        want_stats,
+        got_stats,
+    )
+    diff = torch.cat(
+        [(a - b).abs().flatten() for a, b in zip(want_weights, got_weights)]
+    )  # Adam's sign steps, as above
     assert diff.mean() < 1e-9 and diff.max() < 1e-4
     actor, critic = make_engines(tiny_model_dir, seed=0, ds_file=ds_file)
     with pytest.raises(ValueError, match="one mini-batch"):
-        update_on_rollout(actor, critic, random_experience(50), settings=SETTINGS, value_weights=torch.ones(1), value_clip=0.2, ppo_epochs=1,
-                          mini_batch_size=4, max_tokens=24, pad_id=0, train_actor=True, share_prompts=True, seed=0, poison=False,
-                          after_step=lambda engine, name: None, values_gae=gae_settings)
+        update_on_rollout(
+            actor,
+            critic,
+            random_experience(50),
+            settings=SETTINGS,
+            value_weights=torch.ones(1),
+            value_clip=0.2,
+            ppo_epochs=1,
+            mini_batch_size=4,
+            max_tokens=24,
+            pad_id=0,
+            train_actor=True,
+            share_prompts=True,
+            seed=0,
+            poison=False,
+            after_step=lambda engine, name: None,
+            values_gae=gae_settings,
+        )
 
 
 def test_dropout_anywhere_means_train_mode_differs(tiny_model_dir):

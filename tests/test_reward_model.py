@@ -20,7 +20,9 @@ COMPONENTS, WEIGHTS = ["helpful", "harmless"], torch.tensor([0.7, 0.3])
 def pairs_and_model(tiny_model_dir, rm_data, request):
     """Pairs packed whole, or with chosen and rejected sharing their prompt's tokens (rm.share_prompt)."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    examples = load_preferences(str(rm_data / "validation.parquet"), tokenizer, COMPONENTS, use_margin=False, share_prompt=request.param)[:24]
+    examples = load_preferences(
+        str(rm_data / "validation.parquet"), tokenizer, COMPONENTS, use_margin=False, share_prompt=request.param
+    )[:24]
     torch.manual_seed(0)
     return examples, load_value_model(str(tiny_model_dir), COMPONENTS).eval(), tokenizer.pad_token_id
 
@@ -41,7 +43,9 @@ def test_score_pairs_reads_the_last_token_of_each_sequence(pairs_and_model):
 
 def test_evaluate_pairs_in_micro_batches_equals_the_naive_statistics(process_group, pairs_and_model):
     examples, model, pad = pairs_and_model
-    metrics = evaluate_pairs(model, examples, COMPONENTS, WEIGHTS, max_tokens=160, pad_token_id=pad)  # several micro-batches
+    metrics = evaluate_pairs(
+        model, examples, COMPONENTS, WEIGHTS, max_tokens=160, pad_token_id=pad
+    )  # several micro-batches
     r_c = torch.stack([naive_rewards(model, e.chosen_ids) for e in examples])  # (B, C)
     r_r = torch.stack([naive_rewards(model, e.rejected_ids) for e in examples])
     total_c, total_r = r_c @ WEIGHTS.double(), r_r @ WEIGHTS.double()
@@ -57,16 +61,22 @@ def test_evaluate_pairs_in_micro_batches_equals_the_naive_statistics(process_gro
         oriented = ((r_c - r_r)[:, c] * labels[:, c])[labelled]
         assert metrics[f"acc_{name}"] == pytest.approx((oriented > 0).double().mean().item())
         assert metrics[f"loss_{name}"] == pytest.approx(-F.logsigmoid(oriented).mean().item(), abs=1e-5)
-    assert 0 < metrics["acc"] < 1 and math.isfinite(metrics["loss_total"])  # an untrained head: neither all right nor all wrong
+    assert 0 < metrics["acc"] < 1 and math.isfinite(
+        metrics["loss_total"]
+    )  # an untrained head: neither all right nor all wrong
 
 
 def test_a_shared_prompt_is_the_common_start_of_chosen_and_rejected(tiny_model_dir, rm_data):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    whole, shared = (load_preferences(str(rm_data / "validation.parquet"), tokenizer, COMPONENTS, use_margin=False, share_prompt=s)
-                     for s in (False, True))
+    whole, shared = (
+        load_preferences(str(rm_data / "validation.parquet"), tokenizer, COMPONENTS, use_margin=False, share_prompt=s)
+        for s in (False, True)
+    )
     assert all(e.shared_prefix == 0 for e in whole)
     for w, e in zip(whole, shared):
         p = e.shared_prefix
         assert p > 0 and e.chosen_ids[:p] == e.rejected_ids[:p] and e.chosen_ids[p] != e.rejected_ids[p]
         assert e.num_tokens == w.num_tokens - p  # what token-budget batching counts
-    assert sum(e.num_tokens for e in shared) < 0.7 * sum(e.num_tokens for e in whole)  # the synthetic prompts are ~24 of ~35 tokens
+    assert sum(e.num_tokens for e in shared) < 0.7 * sum(
+        e.num_tokens for e in whole
+    )  # the synthetic prompts are ~24 of ~35 tokens

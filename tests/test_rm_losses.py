@@ -23,11 +23,15 @@ def test_margin_is_subtracted_inside_the_sigmoid():
 
 
 def test_centering():
-    torch.testing.assert_close(centering_loss(torch.tensor([1.0, -2.0]), torch.tensor([2.0, 2.0])), torch.tensor([9.0, 0.0]))
+    torch.testing.assert_close(
+        centering_loss(torch.tensor([1.0, -2.0]), torch.tensor([2.0, 2.0])), torch.tensor([9.0, 0.0])
+    )
 
 
 def test_weighted_total():
-    assert weighted_total(torch.tensor([[1.0, 2.0, 4.0]]), torch.tensor([0.6, 0.3, 0.1])).item() == pytest.approx(1.6, abs=1e-6)
+    assert weighted_total(torch.tensor([[1.0, 2.0, 4.0]]), torch.tensor([0.6, 0.3, 0.1])).item() == pytest.approx(
+        1.6, abs=1e-6
+    )
 
 
 def test_decomposition_with_partial_labels_by_hand():
@@ -46,7 +50,9 @@ def test_decomposition_with_partial_labels_by_hand():
     totals_r = [0.6 * 0.0 + 0.4 * 1.5, 0.6 * 1.0, 0.0]
     want_total = [softplus(-(c - r - m)) for c, r, m in zip(totals_c, totals_r, [0.0, 0.5, 0.0])]
     torch.testing.assert_close(out.total, torch.tensor(want_total), atol=1e-6, rtol=0)
-    torch.testing.assert_close(out.center, torch.tensor([(c + r) ** 2 for c, r in zip(totals_c, totals_r)]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        out.center, torch.tensor([(c + r) ** 2 for c, r in zip(totals_c, totals_r)]), atol=1e-6, rtol=0
+    )
     want_component = [
         [softplus(-(1.0 - 0.0)), softplus(-(1.5 - 0.5))],  # harmless: oriented towards the rejected response
         [softplus(-(0.0 - 1.0)), 0.0],

@@ -27,7 +27,9 @@ def test_hf_sampler_greedy_equals_a_naive_loop_and_sampling_follows_the_request_
     eos = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else model.config.eos_token_id[0]
     sampler = HFSampler(model, pad_token_id=0, eos_token_id=eos)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(4, model.config.vocab_size, (n,), generator=g).tolist() for n in (3, 9, 5)]  # left-padded together
+    prompts = [
+        torch.randint(4, model.config.vocab_size, (n,), generator=g).tolist() for n in (3, 9, 5)
+    ]  # left-padded together
     greedy = sampler.generate(prompts, SamplingSettings(n=1, temperature=0.0, max_new_tokens=12), request_seed=0)
     for prompt, [sample] in zip(prompts, greedy):
         tokens, logprobs = naive_greedy(model, prompt, 12, eos)

@@ -35,7 +35,15 @@ from engine.observe.report import expected_plots
 ITERATIONS, EVERY = PPO_ITERATIONS, PPO_EVERY
 LORA = {"rank": 8, "alpha": 32.0}  # actor.lora / critic.lora of the LoRA runs
 # Every per-iteration value that must repeat after a resume (timings excluded; helpers.assert_repeats).
-DETERMINISTIC = ("ppo/score", "ppo/kl", "ppo/pg_loss", "ppo/vf_loss", "ppo/entropy", "ppo/response_length", "ppo/kl_coef")
+DETERMINISTIC = (
+    "ppo/score",
+    "ppo/kl",
+    "ppo/pg_loss",
+    "ppo/vf_loss",
+    "ppo/entropy",
+    "ppo/response_length",
+    "ppo/kl_coef",
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +51,15 @@ def ppo_run(tmp_path_factory, sft_run, rm_run, rm_data):
     """PPO from the SFT policy, as in the demo (its actor LR and initial KL coefficient)."""
     root = tmp_path_factory.mktemp("ppo")
     (rm_root, _), (sft_root, _) = rm_run, sft_run
-    config = write_ppo_config(root / "ppo.json", sft_root / "run" / "model", rm_root / "run" / "model", rm_data, root / "run",
-                              optim__lr=3e-4, ppo__kl_coef=0.2)
+    config = write_ppo_config(
+        root / "ppo.json",
+        sft_root / "run" / "model",
+        rm_root / "run" / "model",
+        rm_data,
+        root / "run",
+        optim__lr=3e-4,
+        ppo__kl_coef=0.2,
+    )
     return root, launch("train_ppo.py", config)
 
 
@@ -65,7 +80,9 @@ def test_learns_on_the_synthetic_task_with_bounded_kl(ppo_run):
     win = metric_series(root / "run", "eval/win_rate")  # against the reference's responses, under the RM
     assert abs(win[0] - 0.5) < 0.2, win  # the policy is the reference: a coin flip (21 prompts: +-0.11)
     later = [win[i] for i in range(EVERY, ITERATIONS + 1, EVERY)]
-    assert win[ITERATIONS] > 0.65 and sum(later) / len(later) > 0.6, win  # above the coin flip at every later evaluation, on average
+    assert win[ITERATIONS] > 0.65 and sum(later) / len(later) > 0.6, (
+        win
+    )  # above the coin flip at every later evaluation, on average
     assert metric_series(root / "run", "eval/kl")[0] == 0.0
 
 
@@ -109,8 +126,20 @@ def test_sampler_stays_in_sync_with_the_actor(ppo_run):
     assert max(gap.values()) < 1e-4  # fp32: vLLM's log-probs are the actor's after every sync
     metrics = read_records(str(root / "run" / "metrics.jsonl"))
     keys = {k for m in metrics if m["step"] == 1 for k in m}
-    assert {"ppo/pg_loss", "ppo/vf_loss", "ppo/clipfrac", "ppo/approx_kl", "ppo/entropy", "ppo/rm_helpful", "ppo/rm_harmless",
-            "timing/generate_s", "timing/sync_s", "timing/make_experience_s", "timing/train_s", "timing/generated_tokens_per_s"} <= keys
+    assert {
+        "ppo/pg_loss",
+        "ppo/vf_loss",
+        "ppo/clipfrac",
+        "ppo/approx_kl",
+        "ppo/entropy",
+        "ppo/rm_helpful",
+        "ppo/rm_harmless",
+        "timing/generate_s",
+        "timing/sync_s",
+        "timing/make_experience_s",
+        "timing/train_s",
+        "timing/generated_tokens_per_s",
+    } <= keys
 
 
 def test_a_fresh_run_into_the_finished_run_is_refused_before_models_load(ppo_run):
@@ -131,8 +160,13 @@ def test_exported_actor_loads_and_differs_from_the_start(ppo_run, tiny_model_dir
     assert trained.keys() == start.keys()
     assert not torch.equal(trained["lm_head.weight"], start["lm_head.weight"])
     # The export serves as it trained: vLLM and transformers generate the same greedy tokens from it.
-    greedy = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "vllm_greedy.py"), str(root / "run" / "actor")],
-                            capture_output=True, text=True, timeout=300, cwd=REPO)
+    greedy = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "scripts" / "vllm_greedy.py"), str(root / "run" / "actor")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert greedy.returncode == 0, greedy.stderr[-3000:]
     (line,) = [line for line in greedy.stdout.splitlines() if line.startswith("{")]
     result = json.loads(line)
@@ -162,8 +196,14 @@ def test_a_resume_from_the_last_checkpoint_repeats_the_run(ppo_run, tmp_path):
 
 def test_sigterm_stops_with_a_checkpoint_and_a_report(tiny_model_dir, rm_run, rm_data, tmp_path):
     rm_root, _ = rm_run
-    config = write_ppo_config(tmp_path / "ppo.json", tiny_model_dir, rm_root / "run" / "model", rm_data, tmp_path / "run",
-                              checkpoint__every_steps=0)
+    config = write_ppo_config(
+        tmp_path / "ppo.json",
+        tiny_model_dir,
+        rm_root / "run" / "model",
+        rm_data,
+        tmp_path / "run",
+        checkpoint__every_steps=0,
+    )
     proc = start_launched("train_ppo.py", config)
     wait_for_step(tmp_path / "run", 2, proc)
     for worker in workers(proc):  # a preemption notice
@@ -178,8 +218,17 @@ def test_sigterm_stops_with_a_checkpoint_and_a_report(tiny_model_dir, rm_run, rm
 
 def test_nan_steps_are_skipped_and_a_reward_drop_rolls_back_once(tiny_model_dir, rm_run, rm_data, tmp_path):
     rm_root, _ = rm_run
-    config = write_ppo_config(tmp_path / "ppo.json", tiny_model_dir, rm_root / "run" / "model", rm_data, tmp_path / "run",
-                              train__iterations=8, train__eval_every=2, checkpoint__every_steps=0, guards__rollback_drop=0.05)
+    config = write_ppo_config(
+        tmp_path / "ppo.json",
+        tiny_model_dir,
+        rm_root / "run" / "model",
+        rm_data,
+        tmp_path / "run",
+        train__iterations=8,
+        train__eval_every=2,
+        checkpoint__every_steps=0,
+        guards__rollback_drop=0.05,
+    )
     launch("train_ppo.py", config, env=faults(nan_loss_at_steps=[2], eval_reward_offset={"6": -10.0}))
     run = tmp_path / "run"
     events = read_events(run)
@@ -196,15 +245,32 @@ def test_nan_steps_are_skipped_and_a_reward_drop_rolls_back_once(tiny_model_dir,
 
 # Dual clip, k3 KL, old log-probs from vLLM after the first iteration's check, and (the rollout as one
 # mini-batch) the critic's values from its first step.
-TWO_RANK_ARGS = ("--ppo.clip_ratio_c", "3.0", "--ppo.kl_estimator", "k3", "--ppo.old_logprobs_from", "sampler", "--ppo.mini_batch_size", "64")
+TWO_RANK_ARGS = (
+    "--ppo.clip_ratio_c",
+    "3.0",
+    "--ppo.kl_estimator",
+    "k3",
+    "--ppo.old_logprobs_from",
+    "sampler",
+    "--ppo.mini_batch_size",
+    "64",
+)
 
 
 @pytest.fixture(scope="module")
 def two_ranks_vllm(tiny_model_dir, rm_run, rm_data, tmp_path_factory):
     """Two ranks on one node, one vLLM engine each, a checkpoint every iteration; config ``ppo.json`` beside the run."""
     root, (rm_root, _) = tmp_path_factory.mktemp("ppo_two_ranks"), rm_run
-    config = write_ppo_config(root / "ppo.json", tiny_model_dir, rm_root / "run" / "model", rm_data, root / "run",
-                              train__iterations=2, train__eval_every=0, checkpoint__every_steps=1)
+    config = write_ppo_config(
+        root / "ppo.json",
+        tiny_model_dir,
+        rm_root / "run" / "model",
+        rm_data,
+        root / "run",
+        train__iterations=2,
+        train__eval_every=0,
+        checkpoint__every_steps=1,
+    )
     result = launch("train_ppo.py", config, *TWO_RANK_ARGS, ranks=2)
     assert "critic values from the first critic step" in result.stdout
     return root
@@ -233,10 +299,14 @@ def test_two_nodes_with_tensor_parallel_rollout_match_two_ranks_and_resume_exact
     for key in DETERMINISTIC:
         two_nodes[key] = metric_series(tmp_path / "run", key)
         assert_repeats(two_nodes[key], one_node[key], what=key)
-    assert max(metric_series(tmp_path / "run", "ppo/sampler_logprob_gap").values()) < 1e-4  # the TP engine loads the actor's weights
+    assert (
+        max(metric_series(tmp_path / "run", "ppo/sampler_logprob_gap").values()) < 1e-4
+    )  # the TP engine loads the actor's weights
     resumed = tmp_path / "resumed"
     shutil.copytree(tmp_path / "run", resumed)
-    assert sorted(p.name for p in (resumed / "checkpoints").glob("step*")) == ["step00000001"]  # the last iteration exports instead
+    assert sorted(p.name for p in (resumed / "checkpoints").glob("step*")) == [
+        "step00000001"
+    ]  # the last iteration exports instead
     config["logging"]["output_dir"] = str(resumed)
     (tmp_path / "ppo.json").write_text(json.dumps(config))
     results = launch_two_nodes("train_ppo.py", tmp_path / "ppo.json", tmp_path, *TWO_RANK_ARGS, "--resume")
@@ -251,32 +321,78 @@ def test_actor_loss_settings_change_the_actor_update_only(tiny_model_dir, rm_run
     The warm-up iteration and the second iteration's rollouts are identical; the actor update is not."""
     rm_root, _ = rm_run
     runs = {}
-    for name, extra in (("plain", []), ("terms", ["--ppo.clip_ratio_c", "1.01", "--ppo.kl_loss_coef", "0.1", "--ppo.kl_loss_estimator", "k3",
-                                                  "--ppo.entropy_coef", "0.01"])):
-        config = write_ppo_config(tmp_path / f"{name}.json", tiny_model_dir, rm_root / "run" / "model", rm_data, tmp_path / name,
-                                  train__iterations=2, train__eval_every=0, checkpoint__every_steps=0, rollout__sampler="hf",
-                                  ppo__mini_batch_size=16)
-        launch("train_ppo.py", config, "--ppo.use_kl_in_reward", "false", "--critic.warmup_iterations", "1", *extra, ranks=2)
+    for name, extra in (
+        ("plain", []),
+        (
+            "terms",
+            [
+                "--ppo.clip_ratio_c",
+                "1.01",
+                "--ppo.kl_loss_coef",
+                "0.1",
+                "--ppo.kl_loss_estimator",
+                "k3",
+                "--ppo.entropy_coef",
+                "0.01",
+            ],
+        ),
+    ):
+        config = write_ppo_config(
+            tmp_path / f"{name}.json",
+            tiny_model_dir,
+            rm_root / "run" / "model",
+            rm_data,
+            tmp_path / name,
+            train__iterations=2,
+            train__eval_every=0,
+            checkpoint__every_steps=0,
+            rollout__sampler="hf",
+            ppo__mini_batch_size=16,
+        )
+        launch(
+            "train_ppo.py",
+            config,
+            "--ppo.use_kl_in_reward",
+            "false",
+            "--critic.warmup_iterations",
+            "1",
+            *extra,
+            ranks=2,
+        )
         runs[name] = {m["step"]: m for m in read_records(str(tmp_path / name / "metrics.jsonl"))}
     plain, terms = runs["plain"], runs["terms"]
     assert max(metric_series(tmp_path / "terms", "ppo/sampler_logprob_gap").values()) < 1e-4
     assert "ppo/pg_loss" not in plain[1] and "ppo/pg_loss" in plain[2]  # the actor trains after the warm-up only
     for key in ("ppo/score", "ppo/kl", "ppo/vf_loss"):
         assert terms[1][key] == plain[1][key], key  # the warm-up does not see the actor's loss
-    assert terms[2]["ppo/score"] == plain[2]["ppo/score"] and terms[2]["ppo/kl"] == plain[2]["ppo/kl"] == 0.0  # same rollouts
+    assert (
+        terms[2]["ppo/score"] == plain[2]["ppo/score"] and terms[2]["ppo/kl"] == plain[2]["ppo/kl"] == 0.0
+    )  # same rollouts
     assert "ppo/dual_clipfrac" not in plain[2] and terms[2]["ppo/dual_clipfrac"] > 0  # the cap acted on some tokens
-    assert "ppo/kl_loss" not in plain[2] and terms[2]["ppo/kl_loss"] > 0  # k3 of the updated actor against the reference
+    assert (
+        "ppo/kl_loss" not in plain[2] and terms[2]["ppo/kl_loss"] > 0
+    )  # k3 of the updated actor against the reference
     assert terms[2]["ppo/pg_loss"] != plain[2]["ppo/pg_loss"] and terms[2]["ppo/entropy"] != plain[2]["ppo/entropy"]
-    actor = lambda name: AutoModelForCausalLM.from_pretrained(tmp_path / name / "actor").state_dict()["lm_head.weight"]  # noqa: E731
+    actor = lambda name: AutoModelForCausalLM.from_pretrained(tmp_path / name / "actor").state_dict()["lm_head.weight"]
     assert not torch.equal(actor("plain"), actor("terms"))
 
 
 def test_zero2_with_replicated_frozen_models_and_lora(tiny_model_dir, rm_run, rm_data, tmp_path):
     """ZeRO-2 (replicated weights) with LoRA actor and critic: merged sync, export of both forms."""
     rm_root, _ = rm_run
-    config = write_ppo_config(tmp_path / "ppo.json", tiny_model_dir, rm_root / "run" / "model", rm_data, tmp_path / "run",
-                              actor__lora=LORA, critic__lora=LORA, optim__lr=3e-3, train__iterations=2, train__eval_every=0,
-                              checkpoint__every_steps=0)
+    config = write_ppo_config(
+        tmp_path / "ppo.json",
+        tiny_model_dir,
+        rm_root / "run" / "model",
+        rm_data,
+        tmp_path / "run",
+        actor__lora=LORA,
+        critic__lora=LORA,
+        optim__lr=3e-3,
+        train__iterations=2,
+        train__eval_every=0,
+        checkpoint__every_steps=0,
+    )
     launch("train_ppo.py", config, "--deepspeed", "tiny_cpu_zero2.json", "--guards.kl_ceiling", "1e-9")
     gap = metric_series(tmp_path / "run", "ppo/sampler_logprob_gap")
     assert len(gap) == 2 and max(gap.values()) < 1e-4
@@ -284,26 +400,49 @@ def test_zero2_with_replicated_frozen_models_and_lora(tiny_model_dir, rm_run, rm
     assert json.loads((tmp_path / "run" / "actor" / "adapter" / "adapter_config.json").read_text())["r"] == LORA["rank"]
     # KL guard: iteration 1 samples from the reference itself (KL 0); iteration 2 is above the ceiling.
     # The monitor flags the held-out KL of the final evaluation against the same ceiling.
-    assert [(e["step"], e["event"]) for e in read_events(tmp_path / "run")] == [(2, "kl_guard"), (2, "monitor/kl_above_ceiling")]
+    assert [(e["step"], e["event"]) for e in read_events(tmp_path / "run")] == [
+        (2, "kl_guard"),
+        (2, "monitor/kl_above_ceiling"),
+    ]
     assert metric_series(tmp_path / "run", "ppo/actor_lr") == {1: 3e-3, 2: 1.5e-3}
 
 
-@pytest.mark.parametrize("estimator, extra", [("grpo", {"actor__lora": LORA, "optim__lr": 3e-3}), ("rloo", {"ppo__tis_cap": 2.0}),
-                                              ("reinforce_pp", {})])
+@pytest.mark.parametrize(
+    "estimator, extra",
+    [("grpo", {"actor__lora": LORA, "optim__lr": 3e-3}), ("rloo", {"ppo__tis_cap": 2.0}), ("reinforce_pp", {})],
+)
 def test_critic_free_estimators_train_without_a_critic(sft_run, rm_run, rm_data, tmp_path, estimator, extra):
     """Each critic-free estimator builds, trains and checkpoints no critic, and raises the held-out
     reward. GRPO runs with a LoRA actor: two models in memory, the actor and the reward model
     (its dry run says so). RLOO runs with truncated importance sampling, whose weights are 1 with
     an fp32 sampler."""
     (rm_root, _), (sft_root, _) = rm_run, sft_run
-    config = write_ppo_config(tmp_path / "ppo.json", sft_root / "run" / "model", rm_root / "run" / "model", rm_data, tmp_path / "run",
-                              ppo__kl_coef=0.2, ppo__advantage_estimator=estimator, train__iterations=8, train__eval_every=0,
-                              checkpoint__every_steps=4, **({"optim__lr": 3e-4} | extra))
+    config = write_ppo_config(
+        tmp_path / "ppo.json",
+        sft_root / "run" / "model",
+        rm_root / "run" / "model",
+        rm_data,
+        tmp_path / "run",
+        ppo__kl_coef=0.2,
+        ppo__advantage_estimator=estimator,
+        train__iterations=8,
+        train__eval_every=0,
+        checkpoint__every_steps=4,
+        **({"optim__lr": 3e-4} | extra),
+    )
     if "actor__lora" in extra:
-        plan = subprocess.run([sys.executable, str(REPO / "train" / "train_ppo.py"), "--config", str(config), "--dry-run"],
-                              capture_output=True, text=True, timeout=120, cwd=REPO)
+        plan = subprocess.run(
+            [sys.executable, str(REPO / "train" / "train_ppo.py"), "--config", str(config), "--dry-run"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+        )
         assert plan.returncode == 0, plan.stderr
-        assert f"critic       none: ppo.advantage_estimator {estimator} needs no value model (saves ZeRO-3, 1 rank(s): " in plan.stdout
+        assert (
+            f"critic       none: ppo.advantage_estimator {estimator} needs no value model (saves ZeRO-3, 1 rank(s): "
+            in plan.stdout
+        )
         assert "reference    none: the actor with its LoRA adapters disabled" in plan.stdout
         assert "actor" in plan.stdout and "(LoRA rank 8: " in plan.stdout and "without LoRA:" in plan.stdout
     launch("train_ppo.py", config)
@@ -317,15 +456,28 @@ def test_critic_free_estimators_train_without_a_critic(sft_run, rm_run, rm_data,
         assert all(abs(w - 1.0) < 1e-3 for w in metric_series(run, "ppo/tis_weight").values())
 
 
-def test_lora_actor_and_critic_learn_resume_exactly_and_export_adapter_and_merged_model(sft_run, rm_run, rm_data, tmp_path):
+def test_lora_actor_and_critic_learn_resume_exactly_and_export_adapter_and_merged_model(
+    sft_run, rm_run, rm_data, tmp_path
+):
     """LoRA on actor and critic under ZeRO-3 with vLLM: the sampler gets the merged weights after
     every update (fp32 gap as for full weights), the reference is the actor with its adapters off,
     checkpoints hold the adapters only, a resume repeats the run, and the export is a merged HF
     model plus the adapter in PEFT format."""
     (rm_root, _), (sft_root, _) = rm_run, sft_run
-    config = write_ppo_config(tmp_path / "ppo.json", sft_root / "run" / "model", rm_root / "run" / "model", rm_data, tmp_path / "run",
-                              actor__lora=LORA, critic__lora=LORA, optim__lr=3e-3, ppo__kl_coef=0.2, train__iterations=8,
-                              train__eval_every=0, checkpoint__every_steps=4)
+    config = write_ppo_config(
+        tmp_path / "ppo.json",
+        sft_root / "run" / "model",
+        rm_root / "run" / "model",
+        rm_data,
+        tmp_path / "run",
+        actor__lora=LORA,
+        critic__lora=LORA,
+        optim__lr=3e-3,
+        ppo__kl_coef=0.2,
+        train__iterations=8,
+        train__eval_every=0,
+        checkpoint__every_steps=4,
+    )
     launch("train_ppo.py", config)
     run = tmp_path / "run"
     held_out = metric_series(run, "eval/reward")
@@ -339,7 +491,9 @@ def test_lora_actor_and_critic_learn_resume_exactly_and_export_adapter_and_merge
     resumed = tmp_path / "resumed"
     shutil.copytree(run, resumed)
     shutil.rmtree(resumed / "actor")
-    assert (resumed / "checkpoints" / "latest").read_text().strip() == "step00000004"  # the last iteration exports instead
+    assert (
+        resumed / "checkpoints" / "latest"
+    ).read_text().strip() == "step00000004"  # the last iteration exports instead
     config_data = json.loads(config.read_text())
     config_data["logging"]["output_dir"] = str(resumed)
     (tmp_path / "resume.json").write_text(json.dumps(config_data))
@@ -351,7 +505,9 @@ def test_lora_actor_and_critic_learn_resume_exactly_and_export_adapter_and_merge
 
     merged = AutoModelForCausalLM.from_pretrained(run / "actor")
     base = AutoModelForCausalLM.from_pretrained(sft_root / "run" / "model")
-    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(sft_root / "run" / "model"), run / "actor" / "adapter")
+    adapted = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(sft_root / "run" / "model"), run / "actor" / "adapter"
+    )
     ids = torch.tensor([[5, 17, 42, 99, 7, 8]])
     with torch.no_grad():
         logits = [m(input_ids=ids).logits for m in (merged, adapted, base)]

@@ -11,7 +11,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, RM_COMPONENTS, RM_STEPS, assert_repeats, assert_same_weights, launch, launch_two_nodes, metric_series, write_rm_config
+from helpers import (
+    REPO,
+    RM_COMPONENTS,
+    RM_STEPS,
+    assert_repeats,
+    assert_same_weights,
+    launch,
+    launch_two_nodes,
+    metric_series,
+    write_rm_config,
+)
 from transformers import AutoTokenizer
 
 from engine.data.preferences import load_preferences
@@ -60,7 +70,9 @@ def test_run_directory_explains_itself(one_rank):
         assert f'src="report/{name}"' in page
     metrics = read_records(str(run / "metrics.jsonl"))
     train_keys = [{k for k in m if not k.startswith("eval/")} for m in metrics if "rm/loss" in m]
-    assert len(train_keys) == STEPS and all(keys == train_keys[0] for keys in train_keys)  # stable keys, a line per step
+    assert len(train_keys) == STEPS and all(
+        keys == train_keys[0] for keys in train_keys
+    )  # stable keys, a line per step
     assert (run / "events.jsonl").read_text() == ""
 
 
@@ -146,8 +158,13 @@ def test_an_output_dir_the_nodes_do_not_share_is_refused(two_ranks, tmp_path):
     config = json.loads((two_ranks / "rm.json").read_text())
     config["logging"]["output_dir"] = str(tmp_path / "node0")
     (tmp_path / "rm.json").write_text(json.dumps(config))
-    results = launch_two_nodes("train_rm.py", tmp_path / "rm.json", tmp_path,
-                               node_extra=([], ["--logging.output_dir", str(tmp_path / "node1")]), check=False)
+    results = launch_two_nodes(
+        "train_rm.py",
+        tmp_path / "rm.json",
+        tmp_path,
+        node_extra=([], ["--logging.output_dir", str(tmp_path / "node1")]),
+        check=False,
+    )
     for r in results:
         assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     err = results[0].stderr + results[1].stderr
@@ -160,15 +177,34 @@ def test_an_output_dir_the_nodes_do_not_share_is_refused(two_ranks, tmp_path):
     "ds_config, extra, in_effect",
     [
         ("zero2.json", ["--model.bf16", "true"], "ZeRO-2, bfloat16 weights, offload: none, gradient checkpointing off"),
-        ("zero3_offload.json", ["--model.bf16", "true"],
-         "ZeRO-3, bfloat16 weights, offload: optimizer + parameters, gradient checkpointing off"),
-        ("tiny_cpu_zero2.json", ["--model.gradient_checkpointing", "true"], "ZeRO-2, float32 weights, offload: none, gradient checkpointing on"),
+        (
+            "zero3_offload.json",
+            ["--model.bf16", "true"],
+            "ZeRO-3, bfloat16 weights, offload: optimizer + parameters, gradient checkpointing off",
+        ),
+        (
+            "tiny_cpu_zero2.json",
+            ["--model.gradient_checkpointing", "true"],
+            "ZeRO-2, float32 weights, offload: none, gradient checkpointing on",
+        ),
     ],
 )
-def test_other_zero_stages_offload_bf16_and_checkpointing_train(tiny_model_dir, rm_data, tmp_path, ds_config, extra, in_effect):
+def test_other_zero_stages_offload_bf16_and_checkpointing_train(
+    tiny_model_dir, rm_data, tmp_path, ds_config, extra, in_effect
+):
     """Each setting is in effect (read back from the engine, not the config) and the run learns."""
     config = write_rm_config(tmp_path / "rm.json", tiny_model_dir, rm_data, tmp_path / "run", max_steps=6)
-    result = launch("train_rm.py", config, "--deepspeed", ds_config, "--checkpoint.every_steps", "0", "--logging.wandb", "false", *extra)
+    result = launch(
+        "train_rm.py",
+        config,
+        "--deepspeed",
+        ds_config,
+        "--checkpoint.every_steps",
+        "0",
+        "--logging.wandb",
+        "false",
+        *extra,
+    )
     assert in_effect in result.stdout
     loss = losses(tmp_path / "run")
     assert sorted(loss) == list(range(1, 7)) and all(math.isfinite(v) for v in loss.values())
@@ -180,7 +216,10 @@ def test_bad_config_is_refused_before_training(tiny_model_dir, rm_data, tmp_path
     config = write_rm_config(tmp_path / "rm.json", tiny_model_dir, rm_data, tmp_path / "run")
     result = subprocess.run(
         [sys.executable, str(REPO / "train" / "train_rm.py"), "--config", str(config), "--train.pairs_per_stp", "8"],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
     )
     assert result.returncode == 2
     assert "unknown key '--train.pairs_per_stp' in 'train' (did you mean 'pairs_per_step'?)" in result.stderr

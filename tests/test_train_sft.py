@@ -12,7 +12,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import REPO, SFT_EVERY, SFT_STEPS, TASK_WORDS, assert_repeats, assert_same_weights, launch, metric_series, write_sft_config
+from helpers import (
+    REPO,
+    SFT_EVERY,
+    SFT_STEPS,
+    TASK_WORDS,
+    assert_repeats,
+    assert_same_weights,
+    launch,
+    metric_series,
+    write_sft_config,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.observe.records import read_records
@@ -33,7 +43,14 @@ def test_loss_falls_and_the_run_directory_explains_itself(sft_run):
     assert sorted(evals) == [SFT_EVERY, 2 * SFT_EVERY, SFT_STEPS] and evals[SFT_STEPS] < evals[SFT_EVERY] < 5.0
     assert f"validation loss {evals[SFT_STEPS]:.3f}" in result.stdout
     metrics = read_records(str(run / "metrics.jsonl"))
-    assert {"sft/loss", "sft/perplexity", "sft/trained_tokens", "sft/lr", "sft/grad_norm", "timing/tokens_per_s"} <= metrics[0].keys()
+    assert {
+        "sft/loss",
+        "sft/perplexity",
+        "sft/trained_tokens",
+        "sft/lr",
+        "sft/grad_norm",
+        "timing/tokens_per_s",
+    } <= metrics[0].keys()
     assert expected_plots(str(run)) == ["loss.png", "lr_grad_norm.png", "throughput.png"]
     page = (run / "report.html").read_text()
     for name in expected_plots(str(run)):
@@ -48,12 +65,15 @@ def test_exported_model_writes_the_task_language(sft_run, tiny_model_dir):
 
     def sample(path: Path) -> list[str]:
         tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
-        prompt = tok.apply_chat_template([{"role": "user", "content": "Tell me about the river in Alder."}], tokenize=False,
-                                         add_generation_prompt=True)
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": "Tell me about the river in Alder."}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
         ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
         torch.manual_seed(0)
         out = model.generate(ids, do_sample=True, max_new_tokens=24, num_return_sequences=16)
-        return [tok.decode(o[ids.shape[1]:]) for o in out]
+        return [tok.decode(o[ids.shape[1] :]) for o in out]
 
     texts = sample(root / "run" / "model")
     finished = [t.split("<|im_end|>")[0] for t in texts if "<|im_end|>" in t]
@@ -69,7 +89,9 @@ def test_resume_continues_with_identical_losses(sft_run, tmp_path):
     root, _ = sft_run
     run = tmp_path / "run"
     shutil.copytree(root / "run", run)
-    shutil.rmtree(run / "checkpoints" / f"step{2 * SFT_EVERY:08d}")  # as if the run had died between the two checkpoints
+    shutil.rmtree(
+        run / "checkpoints" / f"step{2 * SFT_EVERY:08d}"
+    )  # as if the run had died between the two checkpoints
     (run / "model").rename(tmp_path / "first_model")
     config = json.loads((root / "sft.json").read_text())
     config["logging"]["output_dir"] = str(run)
@@ -88,7 +110,9 @@ def test_two_ranks_and_another_packing_follow_the_one_rank_curve(sft_run, tiny_m
     """The loss is a token-mean over the whole mini-batch: 2 ranks with a smaller token budget
     (other micro-batches, other packing) give the same curve."""
     root, _ = sft_run
-    config = write_sft_config(tmp_path / "sft.json", tiny_model_dir, sft_data, tmp_path / "run", max_tokens_per_micro_batch=300, max_steps=10)
+    config = write_sft_config(
+        tmp_path / "sft.json", tiny_model_dir, sft_data, tmp_path / "run", max_tokens_per_micro_batch=300, max_steps=10
+    )
     launch("train_sft.py", config, "--checkpoint.every_steps", "0", "--logging.wandb", "false", ranks=2)
     one, two = losses(root / "run"), losses(tmp_path / "run")
     assert sorted(two) == list(range(1, 11))
@@ -104,8 +128,13 @@ def test_bad_data_and_config_are_refused_before_any_model_loads(tiny_model_dir, 
         (["--model.path", str(tmp_path / "nowhere")], "'model.path'"),
     ]
     for extra, message in cases:
-        result = subprocess.run([sys.executable, str(REPO / "train" / "train_sft.py"), "--config", str(config), *extra],
-                                capture_output=True, text=True, timeout=120, cwd=REPO)
+        result = subprocess.run(
+            [sys.executable, str(REPO / "train" / "train_sft.py"), "--config", str(config), *extra],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+        )
         assert result.returncode == 2 and message in result.stderr, (extra, result.stderr[-2000:])
         assert "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()
@@ -113,8 +142,17 @@ def test_bad_data_and_config_are_refused_before_any_model_loads(tiny_model_dir, 
 
 def test_dry_run_prints_the_plan(tiny_model_dir, sft_data, tmp_path):
     config = write_sft_config(tmp_path / "sft.json", tiny_model_dir, sft_data, tmp_path / "run")
-    result = subprocess.run([sys.executable, str(REPO / "train" / "train_sft.py"), "--config", str(config), "--dry-run"],
-                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "train" / "train_sft.py"), "--config", str(config), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "dry run of train_sft.py" in result.stdout and f"{SFT_STEPS} steps" in result.stdout and "policy" in result.stdout
+    assert (
+        "dry run of train_sft.py" in result.stdout
+        and f"{SFT_STEPS} steps" in result.stdout
+        and "policy" in result.stdout
+    )
     assert not (tmp_path / "run").exists()

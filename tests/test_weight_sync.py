@@ -27,8 +27,15 @@ def rank_reports(stdout: str) -> list[dict]:
 def test_vllm_greedy_follows_the_actor_after_each_sync(tiny_model_dir, ranks, tensor_parallel, lora_rank):
     """(1, 1, 8): LoRA, synced as merged weights; the base alone (adapters off) is the reference.
     (2, 2, 0): both ranks share one tensor-parallel engine, each holding half of every layer."""
-    cmd = [*launcher_cmd(ranks), str(REPO / "tests" / "scripts" / "weight_sync_check.py"), str(tiny_model_dir),
-           "--tensor-parallel", str(tensor_parallel), "--lora-rank", str(lora_rank)]
+    cmd = [
+        *launcher_cmd(ranks),
+        str(REPO / "tests" / "scripts" / "weight_sync_check.py"),
+        str(tiny_model_dir),
+        "--tensor-parallel",
+        str(tensor_parallel),
+        "--lora-rank",
+        str(lora_rank),
+    ]
     result = run_launched(cmd, ranks)
     reports = rank_reports(result.stdout)
     assert sorted(r["rank"] for r in reports) == list(range(ranks))

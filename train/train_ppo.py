@@ -67,16 +67,25 @@ class HybridEngine(NamedTuple):
 
 
 def build_hybrid_engine(cfg: PPOConfig, ds_config: dict) -> HybridEngine:
-    model_kw = dict(dtype=torch.bfloat16 if cfg.actor.bf16 else torch.float32, attn_implementation=cfg.actor.attn_implementation,
-                    trust_remote_code=cfg.actor.trust_remote_code)
+    model_kw = dict(
+        dtype=torch.bfloat16 if cfg.actor.bf16 else torch.float32,
+        attn_implementation=cfg.actor.attn_implementation,
+        trust_remote_code=cfg.actor.trust_remote_code,
+    )
     actor, keep_alive = load_partitioned(lambda: load_causal_lm(cfg.actor.path, **model_kw), ds_config)
     if cfg.actor.lora.rank:
         actor = add_adapters(actor, cfg.actor.lora, causal_lm=True)
-    ref = None if cfg.actor.lora.rank else load_partitioned(lambda: load_causal_lm(cfg.actor.path, **model_kw), ds_config)[0]
+    ref = (
+        None
+        if cfg.actor.lora.rank
+        else load_partitioned(lambda: load_causal_lm(cfg.actor.path, **model_kw), ds_config)[0]
+    )
     reward_model, _ = load_partitioned(lambda: load_value_model(cfg.reward_model.path, **model_kw), ds_config)
     critic = None
     if cfg.ppo.advantage_estimator == "gae":
-        critic_from, components = (cfg.reward_model.path, None) if cfg.critic.init_from == "reward_model" else (cfg.actor.path, ["value"])
+        critic_from, components = (
+            (cfg.reward_model.path, None) if cfg.critic.init_from == "reward_model" else (cfg.actor.path, ["value"])
+        )
         critic, _ = load_partitioned(lambda: load_value_model(critic_from, components, **model_kw), ds_config)
         if cfg.critic.lora.rank:
             critic = add_adapters(critic, cfg.critic.lora, causal_lm=False)
@@ -85,9 +94,19 @@ def build_hybrid_engine(cfg: PPOConfig, ds_config: dict) -> HybridEngine:
             if m is not None:
                 m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     iterations = cfg.train.iterations
-    steps_per_iteration = cfg.ppo.ppo_epochs * cfg.rollout.prompts_per_iteration * cfg.rollout.samples_per_prompt // cfg.ppo.mini_batch_size
-    optim = dict(betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay, lr_scheduler=cfg.optim.lr_scheduler,
-                 warmup_steps=int(cfg.optim.warmup_ratio * iterations * steps_per_iteration), total_steps=iterations * steps_per_iteration)
+    steps_per_iteration = (
+        cfg.ppo.ppo_epochs
+        * cfg.rollout.prompts_per_iteration
+        * cfg.rollout.samples_per_prompt
+        // cfg.ppo.mini_batch_size
+    )
+    optim = dict(
+        betas=tuple(cfg.optim.betas),
+        weight_decay=cfg.optim.weight_decay,
+        lr_scheduler=cfg.optim.lr_scheduler,
+        warmup_steps=int(cfg.optim.warmup_ratio * iterations * steps_per_iteration),
+        total_steps=iterations * steps_per_iteration,
+    )
     frozen_config = inference_ds_config(ds_config)
     actor_engine = initialize_training_engine(actor, ds_config, lr=cfg.optim.lr, **optim)
     return HybridEngine(
@@ -102,11 +121,15 @@ def build_hybrid_engine(cfg: PPOConfig, ds_config: dict) -> HybridEngine:
 def load_fitting_prompts(path: str, tokenizer, cfg: PPOConfig, rank: int) -> list:
     """The prompts of ``path`` that leave room for a response of rollout.max_new_tokens within a
     micro-batch and, with vLLM, its context (the others are dropped and counted)."""
-    room = min(cfg.ppo.max_tokens_per_micro_batch, cfg.rollout.vllm_max_model_len if cfg.rollout.sampler == "vllm" else 1 << 62)
+    room = min(
+        cfg.ppo.max_tokens_per_micro_batch, cfg.rollout.vllm_max_model_len if cfg.rollout.sampler == "vllm" else 1 << 62
+    )
     prompts, dropped = prompts_that_fit(load_prompts(path), tokenizer, room - cfg.rollout.max_new_tokens)
     if dropped and rank == 0:
-        print(f"{path}: dropped {dropped} of {len(prompts) + dropped} prompts longer than {room - cfg.rollout.max_new_tokens} tokens "
-              "(the smaller of ppo.max_tokens_per_micro_batch and rollout.vllm_max_model_len, less rollout.max_new_tokens)")
+        print(
+            f"{path}: dropped {dropped} of {len(prompts) + dropped} prompts longer than {room - cfg.rollout.max_new_tokens} tokens "
+            "(the smaller of ppo.max_tokens_per_micro_batch and rollout.vllm_max_model_len, less rollout.max_new_tokens)"
+        )
     return prompts
 
 
@@ -115,25 +138,40 @@ def build_sampler(cfg: PPOConfig, actor_engine, tokenizer, rank: int):
     if cfg.rollout.sampler == "hf":
         return HFSampler(actor_engine, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     tp = cfg.rollout.tensor_parallel_size  # the ranks of a TP group run one engine: the same seed
-    return VLLMSampler(cfg.actor.path, seed=cfg.train.seed * 1000 + rank // tp, dtype="bfloat16" if cfg.actor.bf16 else "float32",
-                       max_model_len=cfg.rollout.vllm_max_model_len, eos_token_id=tokenizer.eos_token_id,
-                       kv_cache_bytes=cfg.rollout.vllm_kv_cache_mb << 20, gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
-                       sleep_between_rollouts=cfg.rollout.vllm_sleep, tensor_parallel_size=tp)
+    return VLLMSampler(
+        cfg.actor.path,
+        seed=cfg.train.seed * 1000 + rank // tp,
+        dtype="bfloat16" if cfg.actor.bf16 else "float32",
+        max_model_len=cfg.rollout.vllm_max_model_len,
+        eos_token_id=tokenizer.eos_token_id,
+        kv_cache_bytes=cfg.rollout.vllm_kv_cache_mb << 20,
+        gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
+        sleep_between_rollouts=cfg.rollout.vllm_sleep,
+        tensor_parallel_size=tp,
+    )
 
 
 def sample_reference(evaluator: HeldOutEvaluator, sampler, engines: HybridEngine, tokenizer) -> None:
     """The reference's held-out responses: from vLLM loaded with the reference weights, or HF generate."""
     with adapters_disabled(engines.ref.module):  # LoRA: the reference is the actor's base
         if isinstance(sampler, HFSampler):
-            evaluator.sample_reference(HFSampler(engines.ref, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id))
+            evaluator.sample_reference(
+                HFSampler(engines.ref, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            )
             return
         sampler.sync_weights(engines.ref.module)
         evaluator.sample_reference(sampler)
     sampler.sync_weights(engines.actor.module)
 
 
-def held_out_eval(evaluator: HeldOutEvaluator, sampler, engines: HybridEngine, monitor: HackingMonitor, run: RunLifecycle,
-                  sample_rows: int) -> dict[str, float]:
+def held_out_eval(
+    evaluator: HeldOutEvaluator,
+    sampler,
+    engines: HybridEngine,
+    monitor: HackingMonitor,
+    run: RunLifecycle,
+    sample_rows: int,
+) -> dict[str, float]:
     """Evaluate the current policy on the held-out prompts; log sample rows and monitor flags. Returns the eval/* metrics."""
     result, rows = evaluator.evaluate(sampler, engines.actor, engines.ref, sample_rows)
     result["reward"] += eval_reward_offset(run.step)
@@ -147,37 +185,75 @@ def values_from_update(cfg: PPOConfig, critic) -> GaeSettings | None:
     """GAE's settings when the first critic step's forward gives the rollout's values exactly
     (ppo.old_values_from update; the rollout is one mini-batch; the critic has no dropout), else None."""
     one_mini_batch = cfg.ppo.mini_batch_size == cfg.rollout.prompts_per_iteration * cfg.rollout.samples_per_prompt
-    if cfg.ppo.old_values_from != "update" or critic is None or not one_mini_batch or not trains_as_it_evaluates(critic.module):
+    if (
+        cfg.ppo.old_values_from != "update"
+        or critic is None
+        or not one_mini_batch
+        or not trains_as_it_evaluates(critic.module)
+    ):
         return None
     return GaeSettings(cfg.ppo.gamma, cfg.ppo.lam, cfg.ppo.whiten_advantages)
 
 
-def ppo_iteration(cfg: PPOConfig, iteration: int, prompts: list, sampler, sampling: SamplingSettings, engines: HybridEngine,
-                  tokenizer, kl_coef: float, experience_kw: dict, update_kw: dict, after_step, old_from_sampler: bool) -> dict[str, float]:
+def ppo_iteration(
+    cfg: PPOConfig,
+    iteration: int,
+    prompts: list,
+    sampler,
+    sampling: SamplingSettings,
+    engines: HybridEngine,
+    tokenizer,
+    kl_coef: float,
+    experience_kw: dict,
+    update_kw: dict,
+    after_step,
+    old_from_sampler: bool,
+) -> dict[str, float]:
     """One iteration on this rank's ``prompts``: generate -> make experience -> PPO epochs -> sync the
     sampler. Returns the ppo/* metrics (rollout statistics averaged over the ranks) and timing/*."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     t0 = time.perf_counter()
-    groups = sampler.generate([prompt_ids(tokenizer, m) for m in prompts], sampling, request_seed=iteration * world + rank)
+    groups = sampler.generate(
+        [prompt_ids(tokenizer, m) for m in prompts], sampling, request_seed=iteration * world + rank
+    )
     sampler.sleep()  # GPU: its memory goes to the experience forwards and training until the sync
     t1 = time.perf_counter()
-    exp, rollout_stats = make_experience([s for group in groups for s in group],
-                                         prompt_messages=[m for m, group in zip(prompts, groups) for _ in group], kl_coef=kl_coef,
-                                         old_logprobs_from_sampler=old_from_sampler, **experience_kw)
+    exp, rollout_stats = make_experience(
+        [s for group in groups for s in group],
+        prompt_messages=[m for m, group in zip(prompts, groups) for _ in group],
+        kl_coef=kl_coef,
+        old_logprobs_from_sampler=old_from_sampler,
+        **experience_kw,
+    )
     t2 = time.perf_counter()
-    train_stats = update_on_rollout(engines.actor, engines.critic, exp, train_actor=iteration >= cfg.critic.warmup_iterations,
-                                    seed=cfg.train.seed * 100_003 + iteration, poison=nan_loss_at(iteration + 1), after_step=after_step,
-                                    **update_kw)
+    train_stats = update_on_rollout(
+        engines.actor,
+        engines.critic,
+        exp,
+        train_actor=iteration >= cfg.critic.warmup_iterations,
+        seed=cfg.train.seed * 100_003 + iteration,
+        poison=nan_loss_at(iteration + 1),
+        after_step=after_step,
+        **update_kw,
+    )
     t3 = time.perf_counter()
     if iteration >= cfg.critic.warmup_iterations:
         sampler.sync_weights(engines.actor.module)
     t4 = time.perf_counter()
     rollout_stats = mean_over_ranks(rollout_stats)
     rollout_stats["kl_per_token"] = rollout_stats["kl"] / max(rollout_stats["response_length"], 1.0)
-    return {f"ppo/{k}": v for k, v in (rollout_stats | train_stats).items()} | {
-        "timing/generate_s": t1 - t0, "timing/make_experience_s": t2 - t1, "timing/train_s": t3 - t2, "timing/sync_s": t4 - t3,
-        "timing/iteration_s": t4 - t0, "timing/generated_tokens_per_s": global_token_count(exp.mask) / (t1 - t0),
-    } | accelerator_memory_metrics()
+    return (
+        {f"ppo/{k}": v for k, v in (rollout_stats | train_stats).items()}
+        | {
+            "timing/generate_s": t1 - t0,
+            "timing/make_experience_s": t2 - t1,
+            "timing/train_s": t3 - t2,
+            "timing/sync_s": t4 - t3,
+            "timing/iteration_s": t4 - t0,
+            "timing/generated_tokens_per_s": global_token_count(exp.mask) / (t1 - t0),
+        }
+        | accelerator_memory_metrics()
+    )
 
 
 def main() -> int:
@@ -188,35 +264,69 @@ def main() -> int:
     rm_tokenizer = load_tokenizer(cfg.reward_model.path, "reward_model.path")
     check_reward_model(cfg.reward_model.path, "reward_model.path", cfg.reward_model.normalize)
     check_lora_targets(cfg.actor.path, "actor.lora", cfg.actor.lora, False, cfg.actor.trust_remote_code)
-    check_lora_targets(cfg.reward_model.path if cfg.critic.init_from == "reward_model" else cfg.actor.path, "critic.lora", cfg.critic.lora, True)
+    check_lora_targets(
+        cfg.reward_model.path if cfg.critic.init_from == "reward_model" else cfg.actor.path,
+        "critic.lora",
+        cfg.critic.lora,
+        True,
+    )
     if cfg.rollout.sampler == "vllm":
         check_vllm_can_run(cfg.actor.path, "actor.path", cfg.actor.trust_remote_code, cfg.rollout.tensor_parallel_size)
     prompts = load_fitting_prompts(cfg.data.prompts, tokenizer, cfg, rank)
     eval_prompts = load_fitting_prompts(cfg.data.eval_prompts, tokenizer, cfg, rank) if cfg.data.eval_prompts else []
     per_epoch = len(prompts) // cfg.rollout.prompts_per_iteration  # iterations per pass over the prompts
     if per_epoch < 1:  # checked before the four models are loaded
-        raise DataFileError(f"{cfg.data.prompts}: {len(prompts)} usable prompts, fewer than rollout.prompts_per_iteration="
-                            f"{cfg.rollout.prompts_per_iteration}")
+        raise DataFileError(
+            f"{cfg.data.prompts}: {len(prompts)} usable prompts, fewer than rollout.prompts_per_iteration="
+            f"{cfg.rollout.prompts_per_iteration}"
+        )
     if run_args.dry_run:
         return ppo_plan(cfg, prompts, eval_prompts, tokenizer, ds_config, world) if rank == 0 else 0
     iterations = cfg.train.iterations
     run = RunLifecycle(
-        output_dir=out, run_args=run_args, export_dir="actor", keep_last=cfg.checkpoint.keep_last,
-        every_steps=cfg.checkpoint.every_steps, unit="iteration", identity={
-            "actor": cfg.actor.path, "reward_model": cfg.reward_model.path, "prompts": cfg.data.prompts,
-            "prompts_per_iteration": cfg.rollout.prompts_per_iteration, "samples_per_prompt": cfg.rollout.samples_per_prompt,
-            "mini_batch_size": cfg.ppo.mini_batch_size, "advantage_estimator": cfg.ppo.advantage_estimator, "seed": cfg.train.seed,
-            "world_size": world} | {f"{name}_lora": vars(part.lora) for name, part in (("actor", cfg.actor), ("critic", cfg.critic)) if part.lora.rank},
+        output_dir=out,
+        run_args=run_args,
+        export_dir="actor",
+        keep_last=cfg.checkpoint.keep_last,
+        every_steps=cfg.checkpoint.every_steps,
+        unit="iteration",
+        identity={
+            "actor": cfg.actor.path,
+            "reward_model": cfg.reward_model.path,
+            "prompts": cfg.data.prompts,
+            "prompts_per_iteration": cfg.rollout.prompts_per_iteration,
+            "samples_per_prompt": cfg.rollout.samples_per_prompt,
+            "mini_batch_size": cfg.ppo.mini_batch_size,
+            "advantage_estimator": cfg.ppo.advantage_estimator,
+            "seed": cfg.train.seed,
+            "world_size": world,
+        }
+        | {
+            f"{name}_lora": vars(part.lora)
+            for name, part in (("actor", cfg.actor), ("critic", cfg.critic))
+            if part.lora.rank
+        },
     )
 
     engines = build_hybrid_engine(cfg, ds_config)
-    scorer = RewardScorer(engines.reward_model, rm_tokenizer, cfg.reward_model.path,
-                          cfg.reward_model.normalize, cfg.reward_model.clip, cfg.reward_model.rules, cfg.reward_model.no_eos_penalty,
-                          cfg.ppo.max_tokens_per_micro_batch, cfg.ppo.share_prompt)
+    scorer = RewardScorer(
+        engines.reward_model,
+        rm_tokenizer,
+        cfg.reward_model.path,
+        cfg.reward_model.normalize,
+        cfg.reward_model.clip,
+        cfg.reward_model.rules,
+        cfg.reward_model.no_eos_penalty,
+        cfg.ppo.max_tokens_per_micro_batch,
+        cfg.ppo.share_prompt,
+    )
     sampler = build_sampler(cfg, engines.actor, tokenizer, rank)
     value_weights = scorer.weights if cfg.critic.init_from == "reward_model" else torch.ones(1)
-    kl_ctl = (AdaptiveKLController(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon)
-              if cfg.ppo.kl_target is not None else FixedKLController(cfg.ppo.kl_coef))
+    kl_ctl = (
+        AdaptiveKLController(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon)
+        if cfg.ppo.kl_target is not None
+        else FixedKLController(cfg.ppo.kl_coef)
+    )
     nonfinite, kl_guard = NonFiniteGuard(cfg.guards.max_nonfinite_in_a_row), KLGuard(cfg.guards.kl_ceiling)
     rollback = RollbackGuard(cfg.guards.rollback_drop, cfg.guards.rollback_min_drop, cfg.guards.max_rollbacks)
     monitor = HackingMonitor(cfg.monitors.length_ratio_max, cfg.monitors.repeated_ngram_max, cfg.guards.kl_ceiling)
@@ -224,35 +334,90 @@ def main() -> int:
     for name, guard in (("nonfinite", nonfinite), ("kl_guard", kl_guard), ("monitor", monitor)):
         run.track(name, guard, rolls_back=False)
     run.track_rollback(rollback, lr_factor=cfg.guards.rollback_lr_factor)
-    old_logprobs = OldLogprobSource(cfg.ppo.old_logprobs_from, cfg.ppo.sampler_check_every, cfg.ppo.sampler_logprob_tolerance)
+    old_logprobs = OldLogprobSource(
+        cfg.ppo.old_logprobs_from, cfg.ppo.sampler_check_every, cfg.ppo.sampler_logprob_tolerance
+    )
     run.track("old_logprobs", old_logprobs, rolls_back=False)
     run.after_restore(partial(sampler.sync_weights, engines.actor.module))
     run.at_finish(sampler.close)
-    run.start(engines={"actor": engines.actor} | ({"critic": engines.critic} if engines.critic is not None else {}), lr_engine=engines.actor, export_engine=engines.actor,
-              config=config_to_dict(cfg), total_steps=iterations, use_tensorboard=cfg.logging.tensorboard,
-              use_wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project, progress_bar=cfg.logging.progress_bar, desc="ppo")
+    run.start(
+        engines={"actor": engines.actor} | ({"critic": engines.critic} if engines.critic is not None else {}),
+        lr_engine=engines.actor,
+        export_engine=engines.actor,
+        config=config_to_dict(cfg),
+        total_steps=iterations,
+        use_tensorboard=cfg.logging.tensorboard,
+        use_wandb=cfg.logging.wandb,
+        wandb_project=cfg.logging.wandb_project,
+        progress_bar=cfg.logging.progress_bar,
+        desc="ppo",
+    )
     values_gae = values_from_update(cfg, engines.critic)
     if rank == 0:
-        print(f"train_ppo: {len(prompts)} prompts, {iterations} iterations, {world} rank(s), sampler {cfg.rollout.sampler}, "
-              f"actor {describe_engine(engines.actor)}"
-              + (f", critic values from {'the first critic step' if values_gae else 'an experience forward'}" if engines.critic else "")
-              + (f", resumed at iteration {run.step} from {run.resume_from}" if run.resume_from else ""))
-    sampling = SamplingSettings(cfg.rollout.samples_per_prompt, cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens)
-    evaluator = HeldOutEvaluator(eval_prompts, tokenizer, scorer, sampling, cfg.ppo.max_tokens_per_micro_batch,
-                                 cfg.monitors.ngram, cfg.ppo.share_prompt) if eval_prompts else None
+        print(
+            f"train_ppo: {len(prompts)} prompts, {iterations} iterations, {world} rank(s), sampler {cfg.rollout.sampler}, "
+            f"actor {describe_engine(engines.actor)}"
+            + (
+                f", critic values from {'the first critic step' if values_gae else 'an experience forward'}"
+                if engines.critic
+                else ""
+            )
+            + (f", resumed at iteration {run.step} from {run.resume_from}" if run.resume_from else "")
+        )
+    sampling = SamplingSettings(
+        cfg.rollout.samples_per_prompt, cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens
+    )
+    evaluator = (
+        HeldOutEvaluator(
+            eval_prompts,
+            tokenizer,
+            scorer,
+            sampling,
+            cfg.ppo.max_tokens_per_micro_batch,
+            cfg.monitors.ngram,
+            cfg.ppo.share_prompt,
+        )
+        if eval_prompts
+        else None
+    )
     evaluate = partial(held_out_eval, evaluator, sampler, engines, monitor, run, cfg.monitors.sample_rows)
     settings = PolicyLossSettings(
-        clip_low=cfg.ppo.clip_ratio, clip_high=cfg.ppo.clip_ratio_high or cfg.ppo.clip_ratio, clip_ratio_c=cfg.ppo.clip_ratio_c,
-        kl_loss_coef=cfg.ppo.kl_loss_coef, kl_estimator=cfg.ppo.kl_loss_estimator, entropy_coef=cfg.ppo.entropy_coef,
+        clip_low=cfg.ppo.clip_ratio,
+        clip_high=cfg.ppo.clip_ratio_high or cfg.ppo.clip_ratio,
+        clip_ratio_c=cfg.ppo.clip_ratio_c,
+        kl_loss_coef=cfg.ppo.kl_loss_coef,
+        kl_estimator=cfg.ppo.kl_loss_estimator,
+        entropy_coef=cfg.ppo.entropy_coef,
     )
-    experience_kw = dict(actor=engines.actor, critic=engines.critic, ref=engines.ref, scorer=scorer, value_weights=value_weights,
-                         tokenizer=tokenizer, max_tokens=cfg.ppo.max_tokens_per_micro_batch, kl_estimator=cfg.ppo.kl_estimator,
-                         gamma=cfg.ppo.gamma, lam=cfg.ppo.lam, whiten_advantages=cfg.ppo.whiten_advantages,
-                         advantage_estimator=cfg.ppo.advantage_estimator, group_size=cfg.rollout.samples_per_prompt, tis_cap=cfg.ppo.tis_cap,
-                         share_prompts=cfg.ppo.share_prompt, values_from_update=values_gae is not None)
-    update_kw = dict(settings=settings, value_weights=value_weights, value_clip=cfg.ppo.value_clip, ppo_epochs=cfg.ppo.ppo_epochs,
-                     mini_batch_size=cfg.ppo.mini_batch_size, max_tokens=cfg.ppo.max_tokens_per_micro_batch,
-                     pad_id=tokenizer.pad_token_id, share_prompts=cfg.ppo.share_prompt, values_gae=values_gae)
+    experience_kw = dict(
+        actor=engines.actor,
+        critic=engines.critic,
+        ref=engines.ref,
+        scorer=scorer,
+        value_weights=value_weights,
+        tokenizer=tokenizer,
+        max_tokens=cfg.ppo.max_tokens_per_micro_batch,
+        kl_estimator=cfg.ppo.kl_estimator,
+        gamma=cfg.ppo.gamma,
+        lam=cfg.ppo.lam,
+        whiten_advantages=cfg.ppo.whiten_advantages,
+        advantage_estimator=cfg.ppo.advantage_estimator,
+        group_size=cfg.rollout.samples_per_prompt,
+        tis_cap=cfg.ppo.tis_cap,
+        share_prompts=cfg.ppo.share_prompt,
+        values_from_update=values_gae is not None,
+    )
+    update_kw = dict(
+        settings=settings,
+        value_weights=value_weights,
+        value_clip=cfg.ppo.value_clip,
+        ppo_epochs=cfg.ppo.ppo_epochs,
+        mini_batch_size=cfg.ppo.mini_batch_size,
+        max_tokens=cfg.ppo.max_tokens_per_micro_batch,
+        pad_id=tokenizer.pad_token_id,
+        share_prompts=cfg.ppo.share_prompt,
+        values_gae=values_gae,
+    )
     per_rank, metrics = cfg.rollout.prompts_per_iteration // world, {}
     try:
         if evaluator:
@@ -265,26 +430,55 @@ def main() -> int:
             # Data position is a function of the iteration: epoch, then the slice of its prompt order.
             epoch, in_epoch = divmod(run.step, per_epoch)
             start = in_epoch * cfg.rollout.prompts_per_iteration + rank * per_rank
-            batch_msgs = [prompts[i] for i in epoch_order(len(prompts), cfg.train.seed, epoch)[start : start + per_rank]]
-            metrics = ppo_iteration(cfg, run.step, batch_msgs, sampler, sampling, engines, tokenizer,
-                                    kl_ctl.value if cfg.ppo.use_kl_in_reward else 0.0, experience_kw, update_kw,
-                                    after_step=partial(run.check_step, nonfinite, run.step + 1),
-                                    old_from_sampler=old_logprobs.use_sampler(run.step))
+            batch_msgs = [
+                prompts[i] for i in epoch_order(len(prompts), cfg.train.seed, epoch)[start : start + per_rank]
+            ]
+            metrics = ppo_iteration(
+                cfg,
+                run.step,
+                batch_msgs,
+                sampler,
+                sampling,
+                engines,
+                tokenizer,
+                kl_ctl.value if cfg.ppo.use_kl_in_reward else 0.0,
+                experience_kw,
+                update_kw,
+                after_step=partial(run.check_step, nonfinite, run.step + 1),
+                old_from_sampler=old_logprobs.use_sampler(run.step),
+            )
             if message := old_logprobs.observe(metrics.get("ppo/sampler_logprob_gap")):
                 run.event("old_logprobs_from_actor", message, step=run.step + 1)
-            kl_ctl.update(metrics["ppo/kl_per_token"], n_steps=cfg.rollout.prompts_per_iteration * cfg.rollout.samples_per_prompt)
+            kl_ctl.update(
+                metrics["ppo/kl_per_token"], n_steps=cfg.rollout.prompts_per_iteration * cfg.rollout.samples_per_prompt
+            )
             run.step += 1
             monitor.record_train_score(metrics["ppo/score"])
             if kl_guard.exceeded(metrics["ppo/kl_per_token"]):
                 run.scale_lr(cfg.guards.kl_lr_factor)
-                run.event("kl_guard", f"KL {metrics['ppo/kl_per_token']:.4f} per token is above the ceiling "
-                                      f"{cfg.guards.kl_ceiling}: actor LR x{cfg.guards.kl_lr_factor}")
-            metrics |= {"ppo/kl_coef": kl_ctl.value, "ppo/actor_lr": engines.actor.get_lr()[0], "guard/nonfinite_skipped": nonfinite.skipped,
-                        "guard/kl_guard_hits": kl_guard.hits, "guard/rollbacks": rollback.rollbacks}
-            evaluated = evaluator and ((cfg.train.eval_every and run.step % cfg.train.eval_every == 0) or run.step == iterations)
+                run.event(
+                    "kl_guard",
+                    f"KL {metrics['ppo/kl_per_token']:.4f} per token is above the ceiling "
+                    f"{cfg.guards.kl_ceiling}: actor LR x{cfg.guards.kl_lr_factor}",
+                )
+            metrics |= {
+                "ppo/kl_coef": kl_ctl.value,
+                "ppo/actor_lr": engines.actor.get_lr()[0],
+                "guard/nonfinite_skipped": nonfinite.skipped,
+                "guard/kl_guard_hits": kl_guard.hits,
+                "guard/rollbacks": rollback.rollbacks,
+            }
+            evaluated = evaluator and (
+                (cfg.train.eval_every and run.step % cfg.train.eval_every == 0) or run.step == iterations
+            )
             if evaluated:
                 metrics |= evaluate()
-            run.log(metrics, score=f"{metrics['ppo/score']:.3f}", kl=f"{metrics['ppo/kl']:.4f}", it_s=f"{metrics['timing/iteration_s']:.2f}")
+            run.log(
+                metrics,
+                score=f"{metrics['ppo/score']:.3f}",
+                kl=f"{metrics['ppo/kl']:.4f}",
+                it_s=f"{metrics['timing/iteration_s']:.2f}",
+            )
             if evaluated and run.rolled_back(metrics["eval/reward"]):
                 continue
             run.end_of_step(good=bool(evaluated))
@@ -293,8 +487,10 @@ def main() -> int:
     save_hf_model(engines.actor, tokenizer, os.path.join(out, "actor"))
     summary = f"ppo done: {iterations} iterations, last KL {metrics['ppo/kl_per_token']:.4f} per token"
     if first_eval and "eval/reward" in metrics:
-        summary += (f"; held-out reward {first_eval['eval/reward']:.3f} -> {metrics['eval/reward']:.3f}, "
-                    f"win rate vs reference {metrics['eval/win_rate']:.3f}")
+        summary += (
+            f"; held-out reward {first_eval['eval/reward']:.3f} -> {metrics['eval/reward']:.3f}, "
+            f"win rate vs reference {metrics['eval/win_rate']:.3f}"
+        )
     return run.finish(0, f"{summary}; actor saved to {out}/actor")
 
 

@@ -27,7 +27,13 @@ from engine.data.preferences import PreferenceExample, collate_pairs, load_prefe
 from engine.rm.losses import pair_losses
 from engine.rm.reward_model import PairStats, evaluate_pairs, score_pairs
 from engine.run_config import RewardModelConfig
-from engine.runtime.deepspeed_glue import describe_engine, initialize_training_engine, load_partitioned, save_hf_model, training_ds_config
+from engine.runtime.deepspeed_glue import (
+    describe_engine,
+    initialize_training_engine,
+    load_partitioned,
+    save_hf_model,
+    training_ds_config,
+)
 from engine.runtime.distributed import accelerator_memory_metrics
 from engine.runtime.dry_run import rm_plan
 from engine.runtime.faults import nan_loss_at
@@ -39,7 +45,12 @@ from engine.runtime.preflight import load_tokenizer
 
 
 def train_step(
-    engine, examples: list[PreferenceExample], cfg: RewardModelConfig, weights: torch.Tensor, pad_id: int, poison: bool = False
+    engine,
+    examples: list[PreferenceExample],
+    cfg: RewardModelConfig,
+    weights: torch.Tensor,
+    pad_id: int,
+    poison: bool = False,
 ) -> dict[str, float]:
     """One optimizer step over a global mini-batch of pairs (every rank holds the whole list).
     ``poison`` multiplies the loss by NaN (fault injection, engine/runtime/faults.py)."""
@@ -57,9 +68,9 @@ def train_step(
         r_chosen, r_rejected = score_pairs(engine, batch)
         _, margins, labels = collate_pairs(batch)
         losses = pair_losses(r_chosen, r_rejected, weights, margins, labels)
-        loss = (cfg.rm.total_loss_coef * losses.total.sum() + cfg.rm.center_coef * losses.center.sum()) * token_mean_scale(
-            n_pairs, world
-        )
+        loss = (
+            cfg.rm.total_loss_coef * losses.total.sum() + cfg.rm.center_coef * losses.center.sum()
+        ) * token_mean_scale(n_pairs, world)
         for c, n in enumerate(n_labelled):
             if n:
                 loss = loss + losses.component[:, c].sum() * token_mean_scale(n, world)
@@ -83,13 +94,19 @@ def shares_prompts(cfg: RewardModelConfig) -> bool:
 def load_pairs(path: str, tokenizer, cfg: RewardModelConfig, rank: int) -> list[PreferenceExample]:
     """The pairs of ``path`` that fit one micro-batch (those that do not are dropped and counted),
     their prompts marked to pack once where the attention implementation can (rm.share_prompt)."""
-    pairs, dropped = pairs_that_fit(load_preferences(path, tokenizer, list(cfg.rm.components), cfg.data.use_margin, shares_prompts(cfg)),
-                                    cfg.train.max_tokens_per_micro_batch)
+    pairs, dropped = pairs_that_fit(
+        load_preferences(path, tokenizer, list(cfg.rm.components), cfg.data.use_margin, shares_prompts(cfg)),
+        cfg.train.max_tokens_per_micro_batch,
+    )
     if not pairs:
-        raise DataFileError(f"{path}: no pair fits train.max_tokens_per_micro_batch ({cfg.train.max_tokens_per_micro_batch} tokens)")
+        raise DataFileError(
+            f"{path}: no pair fits train.max_tokens_per_micro_batch ({cfg.train.max_tokens_per_micro_batch} tokens)"
+        )
     if dropped and rank == 0:
-        print(f"{path}: dropped {dropped} of {len(pairs) + dropped} pairs longer than train.max_tokens_per_micro_batch "
-              f"({cfg.train.max_tokens_per_micro_batch} tokens, chosen + rejected{', the prompt once' if shares_prompts(cfg) else ''})")
+        print(
+            f"{path}: dropped {dropped} of {len(pairs) + dropped} pairs longer than train.max_tokens_per_micro_batch "
+            f"({cfg.train.max_tokens_per_micro_batch} tokens, chosen + rejected{', the prompt once' if shares_prompts(cfg) else ''})"
+        )
     return pairs
 
 
@@ -102,14 +119,25 @@ def main() -> int:
     components = list(cfg.rm.components)
     weights = torch.tensor([cfg.rm.components[c] for c in components])
     train, validation = (load_pairs(path, tokenizer, cfg, rank) for path in (cfg.data.train, cfg.data.validation))
-    steps_per_epoch, total_steps = epoch_schedule(len(train), cfg.train.pairs_per_step, cfg.train.epochs, cfg.train.max_steps)
+    steps_per_epoch, total_steps = epoch_schedule(
+        len(train), cfg.train.pairs_per_step, cfg.train.epochs, cfg.train.max_steps
+    )
     if run_args.dry_run:
         return rm_plan(cfg, train, validation, ds_config, world) if rank == 0 else 0
     run = RunLifecycle(
-        output_dir=out, run_args=run_args, export_dir="model", keep_last=cfg.checkpoint.keep_last,
-        every_steps=cfg.checkpoint.every_steps, identity={
-            "model": cfg.model.path, "train_data": cfg.data.train, "components": cfg.rm.components,
-            "pairs_per_step": cfg.train.pairs_per_step, "seed": cfg.train.seed, "world_size": world},
+        output_dir=out,
+        run_args=run_args,
+        export_dir="model",
+        keep_last=cfg.checkpoint.keep_last,
+        every_steps=cfg.checkpoint.every_steps,
+        identity={
+            "model": cfg.model.path,
+            "train_data": cfg.data.train,
+            "components": cfg.rm.components,
+            "pairs_per_step": cfg.train.pairs_per_step,
+            "seed": cfg.train.seed,
+            "world_size": world,
+        },
     )
 
     model, keep_alive = load_partitioned(
@@ -137,39 +165,68 @@ def main() -> int:
 
     nonfinite = NonFiniteGuard(cfg.guards.max_nonfinite_in_a_row)
     run.track("nonfinite", nonfinite, rolls_back=False)
-    run.start(engines={"model": engine}, lr_engine=engine, export_engine=engine, config=config_to_dict(cfg),
-              total_steps=total_steps, use_tensorboard=cfg.logging.tensorboard, use_wandb=cfg.logging.wandb,
-              wandb_project=cfg.logging.wandb_project, progress_bar=cfg.logging.progress_bar, desc="rm")
+    run.start(
+        engines={"model": engine},
+        lr_engine=engine,
+        export_engine=engine,
+        config=config_to_dict(cfg),
+        total_steps=total_steps,
+        use_tensorboard=cfg.logging.tensorboard,
+        use_wandb=cfg.logging.wandb,
+        wandb_project=cfg.logging.wandb_project,
+        progress_bar=cfg.logging.progress_bar,
+        desc="rm",
+    )
     if rank == 0:
-        print(f"train_rm: {len(train)} train / {len(validation)} validation pairs, {total_steps} steps, {world} rank(s), "
-              f"{describe_engine(engine)}" + (f", resumed at step {run.step} from {run.resume_from}" if run.resume_from else ""))
-    evaluate = partial(evaluate_pairs, engine, validation, components, weights, cfg.train.max_tokens_per_micro_batch,
-                       tokenizer.pad_token_id)
+        print(
+            f"train_rm: {len(train)} train / {len(validation)} validation pairs, {total_steps} steps, {world} rank(s), "
+            f"{describe_engine(engine)}"
+            + (f", resumed at step {run.step} from {run.resume_from}" if run.resume_from else "")
+        )
+    evaluate = partial(
+        evaluate_pairs,
+        engine,
+        validation,
+        components,
+        weights,
+        cfg.train.max_tokens_per_micro_batch,
+        tokenizer.pad_token_id,
+    )
     try:
         while run.step < total_steps:
             # Data position is a function of the step: epoch, then the batch inside its shuffled order.
             epoch, in_epoch = divmod(run.step, steps_per_epoch)
             order = epoch_order(len(train), cfg.train.seed, epoch)
-            batch = [train[i] for i in order[in_epoch * cfg.train.pairs_per_step : (in_epoch + 1) * cfg.train.pairs_per_step]]
+            batch = [
+                train[i] for i in order[in_epoch * cfg.train.pairs_per_step : (in_epoch + 1) * cfg.train.pairs_per_step]
+            ]
             start = time.perf_counter()
             engine.train()
             step_metrics = train_step(engine, batch, cfg, weights, tokenizer.pad_token_id, nan_loss_at(run.step + 1))
             seconds = time.perf_counter() - start
             run.step += 1
             run.check_step(nonfinite, run.step, engine)
-            metrics = {f"rm/{k}": v for k, v in step_metrics.items()} | {
-                "rm/lr": engine.get_lr()[0],
-                "rm/grad_norm": float(engine.get_global_grad_norm() or 0.0),
-                "rm/epoch": epoch + (in_epoch + 1) / steps_per_epoch,
-                "timing/step_s": seconds,
-                "timing/tokens_per_s": sum(e.num_tokens for e in batch) / seconds,
-                "guard/nonfinite_skipped": nonfinite.skipped,
-            } | accelerator_memory_metrics()
+            metrics = (
+                {f"rm/{k}": v for k, v in step_metrics.items()}
+                | {
+                    "rm/lr": engine.get_lr()[0],
+                    "rm/grad_norm": float(engine.get_global_grad_norm() or 0.0),
+                    "rm/epoch": epoch + (in_epoch + 1) / steps_per_epoch,
+                    "timing/step_s": seconds,
+                    "timing/tokens_per_s": sum(e.num_tokens for e in batch) / seconds,
+                    "guard/nonfinite_skipped": nonfinite.skipped,
+                }
+                | accelerator_memory_metrics()
+            )
             if cfg.train.eval_every_steps and run.step % cfg.train.eval_every_steps == 0 and run.step < total_steps:
                 engine.eval()
                 metrics |= {f"eval/{k}": v for k, v in evaluate().items()}
-            run.log(metrics, loss=f"{metrics['rm/loss']:.3f}", acc=f"{metrics['rm/acc']:.2f}",
-                    tok_s=f"{metrics['timing/tokens_per_s']:.0f}")
+            run.log(
+                metrics,
+                loss=f"{metrics['rm/loss']:.3f}",
+                acc=f"{metrics['rm/acc']:.2f}",
+                tok_s=f"{metrics['timing/tokens_per_s']:.0f}",
+            )
             run.end_of_step()
     except RunEnded as end:
         return run.finish(end.code, str(end))
@@ -184,11 +241,20 @@ def main() -> int:
         "weights": cfg.rm.components,
         "validation_pairs": len(validation),
     }
-    save_hf_model(engine, tokenizer, os.path.join(out, "model"), {"reward_stats.json": reward_stats, "train_config.json": config_to_dict(cfg)})
+    save_hf_model(
+        engine,
+        tokenizer,
+        os.path.join(out, "model"),
+        {"reward_stats.json": reward_stats, "train_config.json": config_to_dict(cfg)},
+    )
     per_component = ", ".join(f"{c} {final[f'acc_{c}']:.3f}" for c in components if f"acc_{c}" in final)
     del keep_alive
-    return run.finish(0, f"validation accuracy {final['acc']:.3f}" + (f" ({per_component})" if per_component else "")
-                      + f", margin {final['margin']:.3f}, loss {final['loss_total']:.4f}; model saved to {out}/model")
+    return run.finish(
+        0,
+        f"validation accuracy {final['acc']:.3f}"
+        + (f" ({per_component})" if per_component else "")
+        + f", margin {final['margin']:.3f}, loss {final['loss_total']:.4f}; model saved to {out}/model",
+    )
 
 
 if __name__ == "__main__":

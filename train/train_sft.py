@@ -25,7 +25,13 @@ from engine.data.batching import epoch_order, epoch_schedule
 from engine.data.conversations import Conversation, conversations_that_fit, load_conversations
 from engine.data.errors import DataFileError
 from engine.run_config import SFTConfig
-from engine.runtime.deepspeed_glue import describe_engine, initialize_training_engine, load_partitioned, save_hf_model, training_ds_config
+from engine.runtime.deepspeed_glue import (
+    describe_engine,
+    initialize_training_engine,
+    load_partitioned,
+    save_hf_model,
+    training_ds_config,
+)
 from engine.runtime.distributed import accelerator_memory_metrics
 from engine.runtime.dry_run import sft_plan
 from engine.runtime.faults import nan_loss_at
@@ -43,8 +49,10 @@ def load_fitting_conversations(path: str, tokenizer, max_tokens: int, rank: int)
     if not conversations:
         raise DataFileError(f"{path}: no conversation fits train.max_tokens_per_micro_batch ({max_tokens} tokens)")
     if dropped and rank == 0:
-        print(f"{path}: dropped {dropped} of {len(conversations) + dropped} conversations longer than "
-              f"train.max_tokens_per_micro_batch ({max_tokens} tokens)")
+        print(
+            f"{path}: dropped {dropped} of {len(conversations) + dropped} conversations longer than "
+            f"train.max_tokens_per_micro_batch ({max_tokens} tokens)"
+        )
     return conversations
 
 
@@ -61,32 +69,62 @@ def main() -> int:
     if run_args.dry_run:
         return sft_plan(cfg, train, validation, ds_config, world) if rank == 0 else 0
     run = RunLifecycle(
-        output_dir=out, run_args=run_args, export_dir="model", keep_last=cfg.checkpoint.keep_last,
-        every_steps=cfg.checkpoint.every_steps, identity={
-            "model": cfg.model.path, "train_data": cfg.data.train, "conversations_per_step": per_step,
-            "seed": cfg.train.seed, "world_size": world},
+        output_dir=out,
+        run_args=run_args,
+        export_dir="model",
+        keep_last=cfg.checkpoint.keep_last,
+        every_steps=cfg.checkpoint.every_steps,
+        identity={
+            "model": cfg.model.path,
+            "train_data": cfg.data.train,
+            "conversations_per_step": per_step,
+            "seed": cfg.train.seed,
+            "world_size": world,
+        },
     )
 
     model, keep_alive = load_partitioned(
-        lambda: load_causal_lm(cfg.model.path, dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32,
-                               attn_implementation=cfg.model.attn_implementation, trust_remote_code=cfg.model.trust_remote_code),
+        lambda: load_causal_lm(
+            cfg.model.path,
+            dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32,
+            attn_implementation=cfg.model.attn_implementation,
+            trust_remote_code=cfg.model.trust_remote_code,
+        ),
         ds_config,
     )
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine = initialize_training_engine(
-        model, ds_config, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay,
-        lr_scheduler=cfg.optim.lr_scheduler, warmup_steps=int(cfg.optim.warmup_ratio * total_steps), total_steps=total_steps,
+        model,
+        ds_config,
+        lr=cfg.optim.lr,
+        betas=tuple(cfg.optim.betas),
+        weight_decay=cfg.optim.weight_decay,
+        lr_scheduler=cfg.optim.lr_scheduler,
+        warmup_steps=int(cfg.optim.warmup_ratio * total_steps),
+        total_steps=total_steps,
     )
 
     nonfinite = NonFiniteGuard(cfg.guards.max_nonfinite_in_a_row)
     run.track("nonfinite", nonfinite, rolls_back=False)
-    run.start(engines={"model": engine}, lr_engine=engine, export_engine=engine, config=config_to_dict(cfg),
-              total_steps=total_steps, use_tensorboard=cfg.logging.tensorboard, use_wandb=cfg.logging.wandb,
-              wandb_project=cfg.logging.wandb_project, progress_bar=cfg.logging.progress_bar, desc="sft")
+    run.start(
+        engines={"model": engine},
+        lr_engine=engine,
+        export_engine=engine,
+        config=config_to_dict(cfg),
+        total_steps=total_steps,
+        use_tensorboard=cfg.logging.tensorboard,
+        use_wandb=cfg.logging.wandb,
+        wandb_project=cfg.logging.wandb_project,
+        progress_bar=cfg.logging.progress_bar,
+        desc="sft",
+    )
     if rank == 0:
-        print(f"train_sft: {len(train)} train / {len(validation)} validation conversations, {total_steps} steps, {world} rank(s), "
-              f"{describe_engine(engine)}" + (f", resumed at step {run.step} from {run.resume_from}" if run.resume_from else ""))
+        print(
+            f"train_sft: {len(train)} train / {len(validation)} validation conversations, {total_steps} steps, {world} rank(s), "
+            f"{describe_engine(engine)}"
+            + (f", resumed at step {run.step} from {run.resume_from}" if run.resume_from else "")
+        )
     evaluate = partial(evaluate_conversations, engine, validation, budget, tokenizer.pad_token_id)
     metrics: dict[str, float] = {}
     try:
@@ -101,15 +139,24 @@ def main() -> int:
             seconds = time.perf_counter() - start
             run.step += 1
             run.check_step(nonfinite, run.step, engine)
-            metrics = {f"sft/{k}": v for k, v in step_metrics.items()} | {
-                "sft/lr": engine.get_lr()[0],
-                "sft/grad_norm": float(engine.get_global_grad_norm() or 0.0),
-                "sft/epoch": epoch + (in_epoch + 1) / steps_per_epoch,
-                "timing/step_s": seconds,
-                "timing/tokens_per_s": step_metrics["tokens"] / seconds,
-                "guard/nonfinite_skipped": nonfinite.skipped,
-            } | accelerator_memory_metrics()
-            if validation and cfg.train.eval_every_steps and run.step % cfg.train.eval_every_steps == 0 and run.step < total_steps:
+            metrics = (
+                {f"sft/{k}": v for k, v in step_metrics.items()}
+                | {
+                    "sft/lr": engine.get_lr()[0],
+                    "sft/grad_norm": float(engine.get_global_grad_norm() or 0.0),
+                    "sft/epoch": epoch + (in_epoch + 1) / steps_per_epoch,
+                    "timing/step_s": seconds,
+                    "timing/tokens_per_s": step_metrics["tokens"] / seconds,
+                    "guard/nonfinite_skipped": nonfinite.skipped,
+                }
+                | accelerator_memory_metrics()
+            )
+            if (
+                validation
+                and cfg.train.eval_every_steps
+                and run.step % cfg.train.eval_every_steps == 0
+                and run.step < total_steps
+            ):
                 engine.eval()
                 metrics |= {f"eval/{k}": v for k, v in evaluate().items()}
             run.log(metrics, loss=f"{metrics['sft/loss']:.3f}", tok_s=f"{metrics['timing/tokens_per_s']:.0f}")

@@ -33,13 +33,24 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--prompts-per-iteration", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--samples-per-prompt", type=int, default=1, help="each prompt this many times in a row (TRL samples one response per row)")
-    parser.add_argument("--micro-batch", type=int, default=0, help="rows per forward/backward (0: all rows of an iteration)")
+    parser.add_argument(
+        "--samples-per-prompt",
+        type=int,
+        default=1,
+        help="each prompt this many times in a row (TRL samples one response per row)",
+    )
+    parser.add_argument(
+        "--micro-batch", type=int, default=0, help="rows per forward/backward (0: all rows of an iteration)"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(args.actor)
     prompts = pq.read_table(args.prompts).column("prompt").to_pylist()[: args.iterations * args.prompts_per_iteration]
-    rows = [tok.apply_chat_template(p, add_generation_prompt=True, return_dict=False) for p in prompts for _ in range(args.samples_per_prompt)]
+    rows = [
+        tok.apply_chat_template(p, add_generation_prompt=True, return_dict=False)
+        for p in prompts
+        for _ in range(args.samples_per_prompt)
+    ]
     dataset = Dataset.from_dict({"input_ids": rows})
     per_iteration = args.prompts_per_iteration * args.samples_per_prompt
     micro = args.micro_batch or per_iteration
@@ -48,7 +59,8 @@ def main() -> None:
     policy, ref = (AutoModelForCausalLM.from_pretrained(args.actor) for _ in range(2))
     # Single-output heads on the reward model's backbone (the head shapes differ, the cost does not).
     reward, value = (
-        AutoModelForSequenceClassification.from_pretrained(args.reward, num_labels=1, ignore_mismatched_sizes=True) for _ in range(2)
+        AutoModelForSequenceClassification.from_pretrained(args.reward, num_labels=1, ignore_mismatched_sizes=True)
+        for _ in range(2)
     )
     for m in (reward, value):
         m.config.pad_token_id = tok.pad_token_id
@@ -72,11 +84,26 @@ def main() -> None:
         seed=0,
     )
     clock = IterationClock()
-    trainer = PPOTrainer(args=config, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
-                         train_dataset=dataset, value_model=value, callbacks=[clock])
+    trainer = PPOTrainer(
+        args=config,
+        processing_class=tok,
+        model=policy,
+        ref_model=ref,
+        reward_model=reward,
+        train_dataset=dataset,
+        value_model=value,
+        callbacks=[clock],
+    )
     # The prompts in file order (the order train_ppo.py draws them in), not shuffled.
     trainer.dataloader = trainer.accelerator.prepare(
-        DataLoader(trainer.train_dataset, batch_size=per_iteration, shuffle=False, collate_fn=trainer.data_collator, drop_last=True))
+        DataLoader(
+            trainer.train_dataset,
+            batch_size=per_iteration,
+            shuffle=False,
+            collate_fn=trainer.data_collator,
+            drop_last=True,
+        )
+    )
     clock.stamps = [time.perf_counter()]
     trainer.train()
     seconds = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]

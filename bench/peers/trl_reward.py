@@ -58,10 +58,20 @@ def main() -> None:
         use_cpu=True,
         seed=0,
     )
-    trainer = RewardTrainer(model=model, args=config, train_dataset=train, eval_dataset=validation, processing_class=tokenizer)
+    trainer = RewardTrainer(
+        model=model, args=config, train_dataset=train, eval_dataset=validation, processing_class=tokenizer
+    )
     result = trainer.train()
     metrics = trainer.evaluate()
-    print(json.dumps({"train_seconds": result.metrics["train_runtime"], "pairs": len(train) * args.epochs, "accuracy": metrics["eval_accuracy"]}))
+    print(
+        json.dumps(
+            {
+                "train_seconds": result.metrics["train_runtime"],
+                "pairs": len(train) * args.epochs,
+                "accuracy": metrics["eval_accuracy"],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

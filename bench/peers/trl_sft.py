@@ -21,7 +21,9 @@ def main() -> None:
     parser.add_argument("--train", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--packing", action="store_true", help="TRL's best-fit-decreasing packing (padding-free rows)")
-    parser.add_argument("--batch", type=int, default=16, help="conversations per step (unpacked) or packed rows per step")
+    parser.add_argument(
+        "--batch", type=int, default=16, help="conversations per step (unpacked) or packed rows per step"
+    )
     parser.add_argument("--max-length", type=int, default=1024, help="longest row (a packed row's token budget)")
     parser.add_argument("--lr", type=float, default=1e-4)
     args = parser.parse_args()
@@ -46,8 +48,16 @@ def main() -> None:
     )
     trainer = SFTTrainer(model=model, args=config, train_dataset=train, processing_class=tokenizer)
     result = trainer.train()
-    print(json.dumps({"train_seconds": result.metrics["train_runtime"], "conversations": len(train),
-                      "tokens": sum(table.column("num_tokens").to_pylist()), "loss": result.metrics["train_loss"]}))
+    print(
+        json.dumps(
+            {
+                "train_seconds": result.metrics["train_runtime"],
+                "conversations": len(train),
+                "tokens": sum(table.column("num_tokens").to_pylist()),
+                "loss": result.metrics["train_loss"],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

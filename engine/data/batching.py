@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -81,7 +81,9 @@ def _first_fit_into(lengths: Sequence[int], max_tokens: int, num_bins: int, orde
     for i in order:
         b = next((b for b in range(num_bins) if loads[b] + lengths[i] <= max_tokens), None)
         if b is None:
-            raise ValueError(f"{len(lengths)} items of {sum(lengths)} tokens do not fit {num_bins} bins of {max_tokens}")
+            raise ValueError(
+                f"{len(lengths)} items of {sum(lengths)} tokens do not fit {num_bins} bins of {max_tokens}"
+            )
         bins[b].append(i)
         loads[b] += lengths[i]
     return [sorted(b) for b in bins]
@@ -92,7 +94,9 @@ def split_across_ranks(lengths: Sequence[int], world_size: int) -> list[list[int
     return balanced_bins(lengths, max_tokens=max(1, sum(lengths)), num_bins=world_size)
 
 
-def plan_micro_batches(lengths: Sequence[int], max_tokens: int, num_micro_batches: int | None = None) -> list[list[int]]:
+def plan_micro_batches(
+    lengths: Sequence[int], max_tokens: int, num_micro_batches: int | None = None
+) -> list[list[int]]:
     """One rank's micro-batches: the fewest that fit, or exactly ``num_micro_batches``.
 
     Pass the count agreed across ranks (the max of each rank's ``len(plan_micro_batches(...))``)
@@ -122,7 +126,9 @@ def plan_global(lengths: Sequence[int], max_tokens: int, world_size: int) -> lis
     return plan
 
 
-def prompt_groups(sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], max_tokens: int) -> list[tuple[int, list[int]]]:
+def prompt_groups(
+    sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], max_tokens: int
+) -> list[tuple[int, list[int]]]:
     """Sequences that start with the same prompt, to pack it once (engine/data/packing.pack_shared):
     ``(shared length, indices)`` per group, in order of first appearance.
 

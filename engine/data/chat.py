@@ -9,7 +9,7 @@ turn as the template closes it (e.g. ``<|im_end|>``).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
@@ -21,9 +21,7 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Sequence[Message])
     return tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
 
 
-def render_conversation(
-    tokenizer: PreTrainedTokenizerBase, prompt: Sequence[Message], response: str
-) -> str:
+def render_conversation(tokenizer: PreTrainedTokenizerBase, prompt: Sequence[Message], response: str) -> str:
     """Prompt plus the response as one closed assistant turn, as text."""
     messages = [*prompt, {"role": "assistant", "content": response}]
     return tokenizer.apply_chat_template(messages, tokenize=False)

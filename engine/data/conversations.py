@@ -9,8 +9,8 @@ Everything else (system, user turns, the assistant headers) is context only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
@@ -48,7 +48,9 @@ def tokenize_conversations(
     whole conversation (turn boundaries would then be ill-defined).
     """
     texts: list[str] = []
-    turns: list[list[tuple[int, int]]] = []  # per conversation: (index of the prefix text, of the text through the turn)
+    turns: list[
+        list[tuple[int, int]]
+    ] = []  # per conversation: (index of the prefix text, of the text through the turn)
     for n, messages in enumerate(conversations):
         if not any(m["role"] == "assistant" for m in messages):
             raise ValueError(f"row {first_row + n}: the conversation has no assistant message to train on")
@@ -56,7 +58,10 @@ def tokenize_conversations(
         spans = []
         for i, m in enumerate(messages):
             if m["role"] == "assistant":
-                texts += [_render(tokenizer, messages[:i], generation_prompt=True), _render(tokenizer, messages[: i + 1], False)]
+                texts += [
+                    _render(tokenizer, messages[:i], generation_prompt=True),
+                    _render(tokenizer, messages[: i + 1], False),
+                ]
                 spans.append((len(texts) - 2, len(texts) - 1))
         turns.append(spans)
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]  # the template writes the special tokens
@@ -67,8 +72,10 @@ def tokenize_conversations(
         for before, through in spans:
             start, end = len(encoded[before]), len(encoded[through])
             if ids[:start] != encoded[before] or ids[:end] != encoded[through]:
-                raise ValueError(f"chat template of {tokenizer.name_or_path!r} does not render row {first_row + n}'s turns as "
-                                 "prefixes of the whole conversation; use a template without that rewriting")
+                raise ValueError(
+                    f"chat template of {tokenizer.name_or_path!r} does not render row {first_row + n}'s turns as "
+                    "prefixes of the whole conversation; use a template without that rewriting"
+                )
             trained[start:end] = [True] * (end - start)
         out.append(Conversation(ids, trained))
         first += 1 + 2 * len(spans)

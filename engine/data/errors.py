@@ -16,7 +16,9 @@ def read_parquet(path: str, columns: tuple[str, ...], made_by: str) -> pa.Table:
     try:
         table = pq.read_table(path)
     except (OSError, pa.ArrowException) as e:
-        raise DataFileError(f"{path}: cannot read it as parquet ({str(e).splitlines()[0]}); {made_by} writes these files") from None
+        raise DataFileError(
+            f"{path}: cannot read it as parquet ({str(e).splitlines()[0]}); {made_by} writes these files"
+        ) from None
     missing = [c for c in columns if c not in table.column_names]
     if missing:
         raise DataFileError(f"{path}: missing column(s) {missing}; {made_by} writes these files")

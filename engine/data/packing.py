@@ -41,8 +41,8 @@ from __future__ import annotations
 import contextvars
 import functools
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -73,12 +73,17 @@ def varlen_sdpa_attention(
     ``packed_branches``, segments of a shared prompt and its branches); plain sdpa otherwise."""
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
     if cu_seq_lens is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     gqa = key.shape[1] != query.shape[1]  # grouped KV heads: SDPA repeats them itself
     bounds = cu_seq_lens.tolist()
     branches = kwargs.get("packed_branches") or ((),) * (len(bounds) - 1)
     # (prefix, branches) per segment; a prompt with one branch is a plain sequence
-    segments = [(n - sum(b), b) if len(b) > 1 else (n, ()) for n, b in zip((e - s for s, e in zip(bounds[:-1], bounds[1:])), branches)]
+    segments = [
+        (n - sum(b), b) if len(b) > 1 else (n, ())
+        for n, b in zip((e - s for s, e in zip(bounds[:-1], bounds[1:])), branches)
+    ]
     calls = attention_calls(bounds, SHORT_SEQUENCE_TOKENS, SHORT_BLOCK_TOKENS)
     sizes = [sum(lengths) for _, lengths in calls]
     sdpa = functools.partial(F.scaled_dot_product_attention, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
@@ -96,17 +101,25 @@ def varlen_sdpa_attention(
     return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None  # (1, T, H, D), as transformers expects
 
 
-def branch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, branches: tuple[int, ...], sdpa) -> torch.Tensor:
+def branch_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, branches: tuple[int, ...], sdpa
+) -> torch.Tensor:
     """Attention of one shared-prompt segment ((1, H, L, D) each) without an L x L mask: the
     prompt causally, then each branch's queries over the prompt's keys and its own (O(sum of the
     whole sequences' L^2), less the repeated prompt). ``sdpa``: scaled_dot_product_attention with
     the call's settings."""
     sizes = [prefix, *branches]
-    (q_prompt, *q_branches), (k_prompt, *k_branches), (v_prompt, *v_branches) = (t.split(sizes, dim=2) for t in (q, k, v))
+    (q_prompt, *q_branches), (k_prompt, *k_branches), (v_prompt, *v_branches) = (
+        t.split(sizes, dim=2) for t in (q, k, v)
+    )
     out = [sdpa(q_prompt, k_prompt, v_prompt, is_causal=True)] if prefix else []
     for n, q_branch, k_branch, v_branch in zip(branches, q_branches, k_branches, v_branches):
         mask = tree_causal(((prefix, (n,)),))[prefix:].to(q.device)  # (n, prefix + n): the prompt, then causal
-        out.append(sdpa(q_branch, torch.cat([k_prompt, k_branch], dim=2), torch.cat([v_prompt, v_branch], dim=2), attn_mask=mask))
+        out.append(
+            sdpa(
+                q_branch, torch.cat([k_prompt, k_branch], dim=2), torch.cat([v_prompt, v_branch], dim=2), attn_mask=mask
+            )
+        )
     return torch.cat(out, dim=2)
 
 
@@ -203,24 +216,38 @@ def pack_sequences(sequences: Sequence[Sequence[int]], pad_token_id: int = 0) ->
     return PackedBatch(input_ids, position_ids, [len(s) for s in sequences])
 
 
-def pack_shared(segments: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], pad_token_id: int = 0) -> PackedBatch:
+def pack_shared(
+    segments: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], pad_token_id: int = 0
+) -> PackedBatch:
     """Pack ``(prompt, [branch, ...])`` segments: the prompt once, then its branches, each
     positioned as if it followed the prompt alone (see the module docstring)."""
     if any(not branches or any(len(b) == 0 for b in branches) for _, branches in segments):
         raise ValueError("every segment needs branches of at least one token")
-    packed = pack_sequences([[*prompt, *(t for b in branches for t in b)] for prompt, branches in segments], pad_token_id)
+    packed = pack_sequences(
+        [[*prompt, *(t for b in branches for t in b)] for prompt, branches in segments], pad_token_id
+    )
     if not segments:
         return packed
-    positions = [torch.cat([torch.arange(len(prompt)), *(torch.arange(len(prompt), len(prompt) + len(b)) for b in branches)])
-                 for prompt, branches in segments]
-    return PackedBatch(packed.input_ids, torch.cat(positions).unsqueeze(0), packed.seq_lens,
-                       tuple(tuple(len(b) for b in branches) for _, branches in segments))
+    positions = [
+        torch.cat([torch.arange(len(prompt)), *(torch.arange(len(prompt), len(prompt) + len(b)) for b in branches)])
+        for prompt, branches in segments
+    ]
+    return PackedBatch(
+        packed.input_ids,
+        torch.cat(positions).unsqueeze(0),
+        packed.seq_lens,
+        tuple(tuple(len(b) for b in branches) for _, branches in segments),
+    )
 
 
-def pack_groups(sequences: Sequence[Sequence[int]], groups: Sequence[tuple[int, Sequence[int]]], pad_token_id: int = 0) -> PackedBatch:
+def pack_groups(
+    sequences: Sequence[Sequence[int]], groups: Sequence[tuple[int, Sequence[int]]], pad_token_id: int = 0
+) -> PackedBatch:
     """Pack ``(shared length, indices)`` groups (engine/data/batching.prompt_groups): each group's
     first ``shared`` tokens once, then every member's rest (:func:`pack_shared`)."""
-    return pack_shared([(sequences[m[0]][:shared], [sequences[i][shared:] for i in m]) for shared, m in groups], pad_token_id)
+    return pack_shared(
+        [(sequences[m[0]][:shared], [sequences[i][shared:] for i in m]) for shared, m in groups], pad_token_id
+    )
 
 
 def sequence_rows(packed: PackedBatch) -> list[torch.Tensor]:
@@ -248,7 +275,9 @@ def block_causal_mask(packed: PackedBatch, dtype: torch.dtype) -> torch.Tensor:
     return mask[None, None]  # (1, 1, T, T)
 
 
-def packed_forward(model: torch.nn.Module, packed: PackedBatch, logits_positions: torch.Tensor | None = None) -> torch.Tensor:
+def packed_forward(
+    model: torch.nn.Module, packed: PackedBatch, logits_positions: torch.Tensor | None = None
+) -> torch.Tensor:
     """Run ``model`` on a packed row; returns its ``logits`` (1, T, ...) for every token, on the
     model's device (the inputs are moved there).
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -40,7 +40,11 @@ def shared_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def load_preferences(
-    path: str, tokenizer: PreTrainedTokenizerBase, components: Sequence[str], use_margin: bool, share_prompt: bool = False,
+    path: str,
+    tokenizer: PreTrainedTokenizerBase,
+    components: Sequence[str],
+    use_margin: bool,
+    share_prompt: bool = False,
     chunk: int = 1024,
 ) -> list[PreferenceExample]:
     """Read and tokenize a pairs parquet; labels follow the order of ``components``. With
@@ -67,18 +71,23 @@ def load_preferences(
     if len(components) > 1:
         for c, name in enumerate(components):
             if not any(e.labels[c] for e in examples):
-                raise DataFileError(f"{path}: component '{name}' is configured (rm.components) but no pair carries its label; "
-                                    f"the labels here: {labelled_components(rows)}")
+                raise DataFileError(
+                    f"{path}: component '{name}' is configured (rm.components) but no pair carries its label; "
+                    f"the labels here: {labelled_components(rows)}"
+                )
     return examples
-
 
 
 def collate_pairs(examples: Sequence[PreferenceExample]) -> tuple[PackedBatch, torch.Tensor, torch.Tensor]:
     """One packed row of the pairs (c0, r0, c1, r1, ...; a pair's shared prefix once, before its
     two continuations), margins (B,), labels (B, C)."""
     if any(e.shared_prefix for e in examples):
-        packed = pack_shared([(e.chosen_ids[: e.shared_prefix], [e.chosen_ids[e.shared_prefix :], e.rejected_ids[e.shared_prefix :]])
-                              for e in examples])
+        packed = pack_shared(
+            [
+                (e.chosen_ids[: e.shared_prefix], [e.chosen_ids[e.shared_prefix :], e.rejected_ids[e.shared_prefix :]])
+                for e in examples
+            ]
+        )
     else:
         packed = pack_sequences([ids for e in examples for ids in (e.chosen_ids, e.rejected_ids)])
     margins = torch.tensor([e.margin for e in examples], dtype=torch.float32)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
@@ -14,13 +14,19 @@ Messages = list[dict[str, str]]
 
 
 def load_prompts(path: str) -> list[Messages]:
-    prompts = read_parquet(path, ("prompt",), "data_prep/prepare_preferences.py (prompts_*.parquet)").column("prompt").to_pylist()
+    prompts = (
+        read_parquet(path, ("prompt",), "data_prep/prepare_preferences.py (prompts_*.parquet)")
+        .column("prompt")
+        .to_pylist()
+    )
     if not prompts:
         raise DataFileError(f"{path}: no prompts")
     return prompts
 
 
-def prompts_that_fit(prompts: Sequence[Messages], tokenizer: PreTrainedTokenizerBase, max_tokens: int) -> tuple[list[Messages], int]:
+def prompts_that_fit(
+    prompts: Sequence[Messages], tokenizer: PreTrainedTokenizerBase, max_tokens: int
+) -> tuple[list[Messages], int]:
     """The prompts whose rendered tokens number at most ``max_tokens`` (room is left for the
     response), and how many were dropped."""
     kept = [p for p in prompts if len(prompt_ids(tokenizer, p)) <= max_tokens]

@@ -45,13 +45,19 @@ class RunLogger:
         if use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=None if resume_step is None else resume_step + 1)
+            self.tb = SummaryWriter(
+                os.path.join(output_dir, "tensorboard"), purge_step=None if resume_step is None else resume_step + 1
+            )
         if use_wandb:
             import wandb
 
             mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
             self.wandb_run = wandb.init(
-                project=wandb_project, dir=output_dir, config=config, mode=mode, name=os.path.basename(os.path.abspath(output_dir))
+                project=wandb_project,
+                dir=output_dir,
+                config=config,
+                mode=mode,
+                name=os.path.basename(os.path.abspath(output_dir)),
             )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -104,6 +110,6 @@ class RunLogger:
         # wandb copy must not lose the run (metrics.jsonl and TensorBoard still have it).
         try:
             getattr(self.wandb_run, method)(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 -- any wandb failure is reported the same way
+        except Exception as e:
             print(f"warning: wandb {method} failed ({type(e).__name__}: {e}); wandb logging is off for this run")
             self.wandb_run = None

@@ -34,7 +34,11 @@ from matplotlib.figure import Figure
 from engine.observe.records import read_records
 
 Records = list[dict[str, Any]]
-HEADLINE = {"sft": ("sft/loss", "eval/loss", "eval/perplexity"), "rm": ("eval/acc", "eval/loss_total"), "ppo": ("ppo/score", "ppo/kl", "eval/reward", "eval/win_rate")}
+HEADLINE = {
+    "sft": ("sft/loss", "eval/loss", "eval/perplexity"),
+    "rm": ("eval/acc", "eval/loss_total"),
+    "ppo": ("ppo/score", "ppo/kl", "eval/reward", "eval/win_rate"),
+}
 # Vertical lines on the PPO reward plot: event kind -> (colour, line style).
 MARKED_EVENTS = {"rollback": ("black", ":"), "rollback_give_up": ("black", "-"), "kl_guard": ("magenta", ":")}
 ERROR_EVENTS = ("nonfinite_abort", "rollback_give_up")
@@ -111,7 +115,10 @@ def _lines(*patterns: str, ylabel: str = "", hline: float | None = None) -> Call
 
 def plot_rm_accuracy(fig: Figure, run: Run) -> bool:
     ax = fig.add_subplot()
-    drawn = [_line(ax, run.metrics, "rm/acc", color="black"), _line(ax, run.metrics, "eval/acc", color="black", linestyle="--")]
+    drawn = [
+        _line(ax, run.metrics, "rm/acc", color="black"),
+        _line(ax, run.metrics, "eval/acc", color="black", linestyle="--"),
+    ]
     for i, key in enumerate(keys_with_prefix(run.metrics, "rm/acc_")):
         component = key.removeprefix("rm/acc_")
         drawn.append(_line(ax, run.metrics, key, color=f"C{i}", alpha=0.6))
@@ -150,7 +157,13 @@ def plot_kl_vs_reward(fig: Figure, run: Run) -> bool:
         fig.colorbar(scatter, ax=ax, label="step")
     curve = [r for r in run.metrics if _finite(r.get("eval/kl")) and _finite(r.get("eval/reward"))]
     if curve:
-        ax.plot([r["eval/kl"] for r in curve], [r["eval/reward"] for r in curve], "o-", color="C3", label="eval: RM score vs KL")
+        ax.plot(
+            [r["eval/kl"] for r in curve],
+            [r["eval/reward"] for r in curve],
+            "o-",
+            color="C3",
+            label="eval: RM score vs KL",
+        )
     _finish(ax, "reward")
     ax.set_xlabel("KL to reference (per sequence)")
     return bool(points or curve)
@@ -178,7 +191,9 @@ def plot_phase_time(fig: Figure, run: Run) -> bool:
     if rows:
         stacks = [[r[k] if _finite(r.get(k)) else 0.0 for r in rows] for k in PHASES]
         ax.stackplot([r["step"] for r in rows], stacks, labels=[k.removeprefix("timing/") for k in PHASES], alpha=0.8)
-        _line(ax, run.metrics, "timing/iteration_s", label="iteration (total)", color="black", linestyle="--", linewidth=1)
+        _line(
+            ax, run.metrics, "timing/iteration_s", label="iteration (total)", color="black", linestyle="--", linewidth=1
+        )
     _finish(ax, "seconds per step")
     return bool(rows)
 
@@ -192,7 +207,11 @@ class Plot(NamedTuple):
 
 PLOTS: dict[str, tuple[Plot, ...]] = {
     "sft": (
-        Plot("loss.png", "Loss on assistant tokens (eval: held-out)", _lines("sft/loss", "eval/loss", ylabel="nats/token")),
+        Plot(
+            "loss.png",
+            "Loss on assistant tokens (eval: held-out)",
+            _lines("sft/loss", "eval/loss", ylabel="nats/token"),
+        ),
         Plot("lr_grad_norm.png", "Learning rate and gradient norm", plot_lr_grad_norm),
         Plot("throughput.png", "Throughput", _lines("timing/tokens_per_s", ylabel="tokens/s")),
     ),
@@ -214,11 +233,22 @@ PLOTS: dict[str, tuple[Plot, ...]] = {
         Plot(
             "response_length.png",
             "Response length",
-            _lines("ppo/response_length", "eval/reward_length", "eval/reward_greedy_length", "eval/ref_length", ylabel="tokens"),
+            _lines(
+                "ppo/response_length",
+                "eval/reward_length",
+                "eval/reward_greedy_length",
+                "eval/ref_length",
+                ylabel="tokens",
+            ),
         ),
         Plot("phase_time.png", "Time per phase", plot_phase_time),
         Plot("tokens_per_s.png", "Generation throughput", _lines("timing/generated_tokens_per_s", ylabel="tokens/s")),
-        Plot("win_rate.png", "Win rate vs reference", _lines("eval/win_rate", ylabel="win rate", hline=0.5), eval_only=True),
+        Plot(
+            "win_rate.png",
+            "Win rate vs reference",
+            _lines("eval/win_rate", ylabel="win rate", hline=0.5),
+            eval_only=True,
+        ),
         Plot(
             "monitors.png",
             "Reward-hacking monitors",
@@ -282,13 +312,18 @@ def _e(value: Any) -> str:
 def _table(header: Sequence[str], rows: list[tuple[str, Sequence[Any]]]) -> str:
     """rows: (css class, cells); no header row when ``header`` is empty."""
     head = "<tr>" + "".join(f"<th>{_e(h)}</th>" for h in header) + "</tr>" if header else ""
-    body = "".join(f'<tr class="{cls}">' + "".join(f"<td><div>{_e(c)}</div></td>" for c in cells) + "</tr>" for cls, cells in rows)
+    body = "".join(
+        f'<tr class="{cls}">' + "".join(f"<td><div>{_e(c)}</div></td>" for c in cells) + "</tr>" for cls, cells in rows
+    )
     return f"<table>{head}{body}</table>"
 
 
 def summary_html(run: Run) -> str:
     steps = [r["step"] for r in run.metrics]
-    rows = [("", ("run kind", run.kind)), ("", ("steps logged", f"{len(steps)} (last step {steps[-1]})" if steps else "0"))]
+    rows = [
+        ("", ("run kind", run.kind)),
+        ("", ("steps logged", f"{len(steps)} (last step {steps[-1]})" if steps else "0")),
+    ]
     for key in HEADLINE.get(run.kind, ()):
         values = series(run.metrics, key)[1]
         rows.append(("", (f"last {key}", values[-1] if values else "-")))
@@ -304,7 +339,12 @@ def events_html(events: Records) -> str:
     rows = []
     for e in events:
         extra = {k: v for k, v in e.items() if k not in ("step", "event", "message")}
-        rows.append((css(str(e.get("event", ""))), (e.get("step"), e.get("event"), e.get("message", ""), json.dumps(extra) if extra else "")))
+        rows.append(
+            (
+                css(str(e.get("event", ""))),
+                (e.get("step"), e.get("event"), e.get("message", ""), json.dumps(extra) if extra else ""),
+            )
+        )
     return _table(("step", "event", "message", "details"), rows) if rows else "<p>No events.</p>"
 
 
@@ -314,7 +354,11 @@ def samples_html(samples: Records) -> str:
         return "<p>No samples.</p>"
     picked = sorted({steps[0], steps[len(steps) // 2], steps[-1]})
     columns = ("step", "prompt", "response", "reward", "kl", "ref_response", "ref_reward")
-    rows = [("", [row.get(c, "") for c in columns]) for step in picked for row in [s for s in samples if s["step"] == step][:SAMPLE_ROWS]]
+    rows = [
+        ("", [row.get(c, "") for c in columns])
+        for step in picked
+        for row in [s for s in samples if s["step"] == step][:SAMPLE_ROWS]
+    ]
     return _table(columns, rows)
 
 
@@ -324,7 +368,9 @@ def build_html(run: Run, run_dir: str, plots: list[tuple[Plot, str]], html_dir: 
         f"<figcaption>{_e(plot.title)}</figcaption></figure>"
         for plot, path in plots
     )
-    config = f"<pre>{_e(json.dumps(run.config, indent=2))}</pre>" if run.config is not None else "<p>No config.json.</p>"
+    config = (
+        f"<pre>{_e(json.dumps(run.config, indent=2))}</pre>" if run.config is not None else "<p>No config.json.</p>"
+    )
     sections = [
         f"<h1>Run report: {_e(os.path.abspath(run_dir))}</h1>",
         summary_html(run),

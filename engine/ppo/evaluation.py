@@ -10,8 +10,9 @@ against the reference's, repeated n-grams). The reference responses are sampled 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -46,8 +47,16 @@ class Responses:
 class HeldOutEvaluator:
     """This rank's share of the held-out prompts, and the reference's responses to them."""
 
-    def __init__(self, prompts: Sequence[list[dict[str, str]]], tokenizer, scorer: RewardScorer, settings: SamplingSettings,
-                 max_tokens: int, ngram: int, share_prompts: bool = True):
+    def __init__(
+        self,
+        prompts: Sequence[list[dict[str, str]]],
+        tokenizer,
+        scorer: RewardScorer,
+        settings: SamplingSettings,
+        max_tokens: int,
+        ngram: int,
+        share_prompts: bool = True,
+    ):
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.rank, self.messages = rank, list(prompts[rank::world])
         self.ids = [prompt_ids(tokenizer, m) for m in self.messages]
@@ -71,7 +80,9 @@ class HeldOutEvaluator:
         """(n,) KL(policy || reference) of each response, summed over its tokens (k1 estimate)."""
         sequences = [s.prompt_ids + s.response_ids for s in samples]
         lens = [len(s.prompt_ids) for s in samples]
-        logprobs = lambda model: sequence_logprobs(model, sequences, lens, self.max_tokens, self.tokenizer.pad_token_id, self.share_prompts)
+        logprobs = lambda model: sequence_logprobs(
+            model, sequences, lens, self.max_tokens, self.tokenizer.pad_token_id, self.share_prompts
+        )
         return torch.stack([(a - r).sum() for a, r in zip(logprobs(actor), logprobs(ref))]).double()
 
     def evaluate(self, sampler, actor, ref, sample_rows: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
@@ -82,22 +93,52 @@ class HeldOutEvaluator:
         kl = self.kl_to_reference(sampled.samples, actor, ref)
         repeated, total = map(sum, zip(*(repeated_ngrams(s.response_ids, self.ngram) for s in sampled.samples)))
         ref = self.reference
-        sums = torch.tensor([
-            float(len(sampled.samples)), sampled.rewards.sum(), greedy.rewards.sum(), ref.rewards.sum(),
-            win_scores(sampled.rewards, ref.rewards).sum(), kl.sum(), sampled.lengths.sum(), greedy.lengths.sum(),
-            ref.lengths.sum(), float(repeated), float(total),
-        ], dtype=torch.float64)
+        sums = torch.tensor(
+            [
+                float(len(sampled.samples)),
+                sampled.rewards.sum(),
+                greedy.rewards.sum(),
+                ref.rewards.sum(),
+                win_scores(sampled.rewards, ref.rewards).sum(),
+                kl.sum(),
+                sampled.lengths.sum(),
+                greedy.lengths.sum(),
+                ref.lengths.sum(),
+                float(repeated),
+                float(total),
+            ],
+            dtype=torch.float64,
+        )
         all_reduce(sums)
-        n, reward, greedy_reward, ref_reward, wins, kl_sum, length, greedy_length, ref_length, repeated, total = sums.tolist()
+        n, reward, greedy_reward, ref_reward, wins, kl_sum, length, greedy_length, ref_length, repeated, total = (
+            sums.tolist()
+        )
         metrics = {
-            "reward": reward / n, "reward_greedy": greedy_reward / n, "ref_reward": ref_reward / n, "win_rate": wins / n,
-            "kl": kl_sum / n, "kl_per_token": kl_sum / max(length, 1.0), "reward_length": length / n,
-            "reward_greedy_length": greedy_length / n, "ref_length": ref_length / n, "length_ratio": length / max(ref_length, 1.0),
+            "reward": reward / n,
+            "reward_greedy": greedy_reward / n,
+            "ref_reward": ref_reward / n,
+            "win_rate": wins / n,
+            "kl": kl_sum / n,
+            "kl_per_token": kl_sum / max(length, 1.0),
+            "reward_length": length / n,
+            "reward_greedy_length": greedy_length / n,
+            "ref_length": ref_length / n,
+            "length_ratio": length / max(ref_length, 1.0),
             "repeated_ngram_frac": repeated / max(total, 1.0),
         }
-        rows = [
-            {"prompt": self.messages[i][-1]["content"], "response": sampled.texts[i], "reward": sampled.rewards[i].item(),
-             "kl": kl[i].item(), "ref_response": ref.texts[i], "ref_reward": ref.rewards[i].item()}
-            for i in range(min(sample_rows, len(self.messages)))
-        ] if self.rank == 0 else []
+        rows = (
+            [
+                {
+                    "prompt": self.messages[i][-1]["content"],
+                    "response": sampled.texts[i],
+                    "reward": sampled.rewards[i].item(),
+                    "kl": kl[i].item(),
+                    "ref_response": ref.texts[i],
+                    "ref_reward": ref.rewards[i].item(),
+                }
+                for i in range(min(sample_rows, len(self.messages)))
+            ]
+            if self.rank == 0
+            else []
+        )
         return metrics, rows

@@ -7,13 +7,22 @@ micro-batches whose count every rank agrees on (ZeRO-3 forwards are collectives)
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.data.batching import group_tokens, plan_micro_batches, prompt_groups
-from engine.data.packing import PackedBatch, pack_groups, pack_sequences, packed_forward, runs_shared_prompts, sequence_rows, target_logprobs
+from engine.data.packing import (
+    PackedBatch,
+    pack_groups,
+    pack_sequences,
+    packed_forward,
+    runs_shared_prompts,
+    sequence_rows,
+    target_logprobs,
+)
 from engine.ppo.losses import (
     AdvantageEstimator,
     entropy_from_logits,
@@ -36,7 +45,12 @@ def packed_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[i
 
 
 def micro_batches(
-    model, sequences: Sequence[list[int]], prompt_lens: Sequence[int], max_tokens: int, pad_token_id: int, share_prompts: bool
+    model,
+    sequences: Sequence[list[int]],
+    prompt_lens: Sequence[int],
+    max_tokens: int,
+    pad_token_id: int,
+    share_prompts: bool,
 ) -> Iterator[tuple[list[int], PackedBatch]]:
     """This rank's packed micro-batches of ``sequences`` (prompt + response) for ``model``:
     ``(indices, packed)`` each, the indices in packing order; as many as the busiest rank needs (a
@@ -48,8 +62,14 @@ def micro_batches(
     for micro in packed_micro_batches(group_tokens(sequences, groups), max_tokens):
         chosen = [groups[j] for j in micro]
         indices = [i for _, members in chosen for i in members]
-        yield indices, (pack_groups(sequences, chosen, pad_token_id) if share
-                        else pack_sequences([sequences[i] for i in indices], pad_token_id))
+        yield (
+            indices,
+            (
+                pack_groups(sequences, chosen, pad_token_id)
+                if share
+                else pack_sequences([sequences[i] for i in indices], pad_token_id)
+            ),
+        )
 
 
 def map_micro_batches(
@@ -79,8 +99,11 @@ def response_positions(packed: PackedBatch, prompt_lens: Sequence[int]) -> tuple
     rows = sequence_rows(packed)
     if not rows:
         return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), []
-    return (torch.cat([r[p - 1 : -1] for r, p in zip(rows, prompt_lens)]), torch.cat([r[p:] for r, p in zip(rows, prompt_lens)]),
-            [len(r) - p for r, p in zip(rows, prompt_lens)])
+    return (
+        torch.cat([r[p - 1 : -1] for r, p in zip(rows, prompt_lens)]),
+        torch.cat([r[p:] for r, p in zip(rows, prompt_lens)]),
+        [len(r) - p for r, p in zip(rows, prompt_lens)],
+    )
 
 
 def response_logprobs(
@@ -105,16 +128,30 @@ def response_logprobs(
 
 
 def sequence_logprobs(
-    model, sequences: Sequence[list[int]], prompt_lens: Sequence[int], max_tokens: int, pad_token_id: int, share_prompts: bool
+    model,
+    sequences: Sequence[list[int]],
+    prompt_lens: Sequence[int],
+    max_tokens: int,
+    pad_token_id: int,
+    share_prompts: bool,
 ) -> list[torch.Tensor]:
     """Each sequence's response-token log-probs under ``model`` (one (R_i,) tensor each), computed
     in packed micro-batches of at most ``max_tokens``, prompts shared where ``share_prompts`` and
     the model's attention allows."""
-    return map_micro_batches(model, sequences, prompt_lens, max_tokens, pad_token_id, share_prompts,
-                             lambda packed, idx: response_logprobs(model, packed, [prompt_lens[i] for i in idx])[0])
+    return map_micro_batches(
+        model,
+        sequences,
+        prompt_lens,
+        max_tokens,
+        pad_token_id,
+        share_prompts,
+        lambda packed, idx: response_logprobs(model, packed, [prompt_lens[i] for i in idx])[0],
+    )
 
 
-def response_values(output: torch.Tensor, packed, prompt_lens: Sequence[int], weights: torch.Tensor) -> list[torch.Tensor]:
+def response_values(
+    output: torch.Tensor, packed, prompt_lens: Sequence[int], weights: torch.Tensor
+) -> list[torch.Tensor]:
     """Critic value of the state before each response token: (R,) per sequence.
 
     A critic initialised from a decomposed reward model keeps its C outputs; the value is their
@@ -126,14 +163,26 @@ def response_values(output: torch.Tensor, packed, prompt_lens: Sequence[int], we
 
 
 def sequence_values(
-    critic, sequences: Sequence[list[int]], prompt_lens: Sequence[int], weights: torch.Tensor, max_tokens: int, pad_token_id: int,
+    critic,
+    sequences: Sequence[list[int]],
+    prompt_lens: Sequence[int],
+    weights: torch.Tensor,
+    max_tokens: int,
+    pad_token_id: int,
     share_prompts: bool,
 ) -> list[torch.Tensor]:
     """Each sequence's critic values (one (R_i,) tensor each), in packed micro-batches of at most
     ``max_tokens``, prompts shared as in :func:`sequence_logprobs`."""
     return map_micro_batches(
-        critic, sequences, prompt_lens, max_tokens, pad_token_id, share_prompts,
-        lambda packed, idx: response_values(packed_forward(critic, packed), packed, [prompt_lens[i] for i in idx], weights),
+        critic,
+        sequences,
+        prompt_lens,
+        max_tokens,
+        pad_token_id,
+        share_prompts,
+        lambda packed, idx: response_values(
+            packed_forward(critic, packed), packed, [prompt_lens[i] for i in idx], weights
+        ),
     )
 
 
@@ -159,16 +208,31 @@ class Experience:
     returns: torch.Tensor  # (B, T)
     scores: torch.Tensor  # (B,) final sequence score (reward model + rules + penalties)
     kl: torch.Tensor  # (B, T) per-token KL estimate vs the reference
-    is_weights: torch.Tensor  # (B, T) truncated importance weight of each token's policy loss (ones without ppo.tis_cap)
+    is_weights: (
+        torch.Tensor
+    )  # (B, T) truncated importance weight of each token's policy loss (ones without ppo.tis_cap)
     rewards: torch.Tensor  # (B, T) token rewards: the score on the last token, minus the KL penalty on every token
 
-    def select(self, rows: Sequence[int]) -> "Experience":
+    def select(self, rows: Sequence[int]) -> Experience:
         idx = torch.tensor(list(rows), dtype=torch.long)
         return Experience(
             sequences=[self.sequences[i] for i in rows],
             prompt_lens=[self.prompt_lens[i] for i in rows],
-            **{f: getattr(self, f)[idx] for f in ("mask", "old_logprobs", "ref_logprobs", "old_values", "advantages", "returns", "scores", "kl",
-                                                "is_weights", "rewards")},
+            **{
+                f: getattr(self, f)[idx]
+                for f in (
+                    "mask",
+                    "old_logprobs",
+                    "ref_logprobs",
+                    "old_values",
+                    "advantages",
+                    "returns",
+                    "scores",
+                    "kl",
+                    "is_weights",
+                    "rewards",
+                )
+            },
         )
 
 
@@ -219,19 +283,53 @@ def make_experience(
     mask = pad_right([torch.ones(len(s.response_ids), dtype=torch.bool) for s in samples], T)  # (B, T)
     sampler_logprobs = pad_right([torch.tensor(s.logprobs) for s in samples], T)  # (B, T)
     forward = dict(max_tokens=max_tokens, pad_token_id=pad, share_prompts=share_prompts)
-    old_logprobs = (sampler_logprobs if old_logprobs_from_sampler
-                    else pad_right(sequence_logprobs(actor, sequences, prompt_lens, **forward), T))  # (B, T)
+    old_logprobs = (
+        sampler_logprobs
+        if old_logprobs_from_sampler
+        else pad_right(sequence_logprobs(actor, sequences, prompt_lens, **forward), T)
+    )  # (B, T)
     ref_logprobs = pad_right(sequence_logprobs(ref, sequences, prompt_lens, **forward), T)  # (B, T)
-    values = (pad_right(sequence_values(critic, sequences, prompt_lens, value_weights, **forward), T)
-              if critic is not None and not values_from_update else torch.zeros(len(samples), T))  # (B, T)
+    values = (
+        pad_right(sequence_values(critic, sequences, prompt_lens, value_weights, **forward), T)
+        if critic is not None and not values_from_update
+        else torch.zeros(len(samples), T)
+    )  # (B, T)
     texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
     scores, parts = scorer.score(prompt_messages, texts, [s.finished for s in samples])  # (B,)
     kl = kl_penalty(old_logprobs, ref_logprobs, kl_estimator) * mask
     rewards = token_rewards(scores, kl, mask, kl_coef)
-    advantages, returns = (torch.zeros_like(rewards), torch.zeros_like(rewards)) if values_from_update else estimate_advantages(
-        advantage_estimator, rewards, values, mask, gamma, lam, group_size, whiten_advantages, group=torch.distributed.group.WORLD)
-    is_weights = truncated_is_weights(old_logprobs, sampler_logprobs, tis_cap) * mask if tis_cap else mask.float()  # (B, T)
-    exp = Experience(sequences, prompt_lens, mask, old_logprobs, ref_logprobs, values, advantages, returns, scores, kl, is_weights, rewards)
+    advantages, returns = (
+        (torch.zeros_like(rewards), torch.zeros_like(rewards))
+        if values_from_update
+        else estimate_advantages(
+            advantage_estimator,
+            rewards,
+            values,
+            mask,
+            gamma,
+            lam,
+            group_size,
+            whiten_advantages,
+            group=torch.distributed.group.WORLD,
+        )
+    )
+    is_weights = (
+        truncated_is_weights(old_logprobs, sampler_logprobs, tis_cap) * mask if tis_cap else mask.float()
+    )  # (B, T)
+    exp = Experience(
+        sequences,
+        prompt_lens,
+        mask,
+        old_logprobs,
+        ref_logprobs,
+        values,
+        advantages,
+        returns,
+        scores,
+        kl,
+        is_weights,
+        rewards,
+    )
     stats = {
         "score": scores.mean().item(),
         "kl": kl.sum(1).mean().item(),  # per sequence
@@ -267,8 +365,10 @@ class OldLogprobSource:
         if not self.on or gap is None or gap <= self.tolerance:
             return None
         self.on = False
-        return (f"sampler log-prob gap {gap:.2e} is above ppo.sampler_logprob_tolerance {self.tolerance:g}: "
-                "old log-probs come from the actor's forward from now on")
+        return (
+            f"sampler log-prob gap {gap:.2e} is above ppo.sampler_logprob_tolerance {self.tolerance:g}: "
+            "old log-probs come from the actor's forward from now on"
+        )
 
     def state_dict(self) -> dict:
         return {"on": self.on}

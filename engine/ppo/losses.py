@@ -44,9 +44,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def token_rewards(
-    score: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float
-) -> torch.Tensor:
+def token_rewards(score: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
     """(B, T) reward per token: -kl_coef * KL at every token, plus the sequence score on the last.
 
     Ziegler et al. 2019, eq. 2; the score (B,) goes to each sequence's last real token.
@@ -193,7 +191,9 @@ def dual_clip_policy_loss(
     return PolicyLoss(torch.where(capped, cap, base.loss), base.clipped | capped, capped)
 
 
-def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float) -> PolicyLoss:
+def clipped_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float
+) -> PolicyLoss:
     """0.5 * max((V - R)^2, (clip(V, V_old +- clip) - R)^2) per token (PPO2 baselines / CleanRL)."""
     clipped_values = old_values + (values - old_values).clamp(-clip, clip)
     unclipped, clipped = (values - returns) ** 2, (clipped_values - returns) ** 2

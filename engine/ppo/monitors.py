@@ -3,8 +3,8 @@ model rather than getting better. They flag (log an event); they do not act."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from engine.runtime.guards import Stateful
 
@@ -31,7 +31,9 @@ class HackingMonitor(Stateful):
     kl_ceiling: float | None
     last_train_reward: float | None = None
     last_win_rate: float | None = None
-    train_scores: list[float] = field(default_factory=list)  # mean rollout score of each iteration since the last evaluation
+    train_scores: list[float] = field(
+        default_factory=list
+    )  # mean rollout score of each iteration since the last evaluation
 
     def record_train_score(self, score: float) -> None:
         self.train_scores.append(score)
@@ -47,19 +49,43 @@ class HackingMonitor(Stateful):
         rollout score since the previous evaluation (None before the first iteration)."""
         flags = []
         if evaluation["length_ratio"] > self.length_ratio_max:
-            flags.append(("length_drift", f"responses are {evaluation['length_ratio']:.2f}x the reference's length "
-                                          f"(limit {self.length_ratio_max})"))
+            flags.append(
+                (
+                    "length_drift",
+                    f"responses are {evaluation['length_ratio']:.2f}x the reference's length "
+                    f"(limit {self.length_ratio_max})",
+                )
+            )
         if evaluation["repeated_ngram_frac"] > self.repeated_ngram_max:
-            flags.append(("repetition", f"{evaluation['repeated_ngram_frac']:.1%} of response n-grams repeat "
-                                        f"(limit {self.repeated_ngram_max:.0%})"))
+            flags.append(
+                (
+                    "repetition",
+                    f"{evaluation['repeated_ngram_frac']:.1%} of response n-grams repeat "
+                    f"(limit {self.repeated_ngram_max:.0%})",
+                )
+            )
         win_rate = evaluation["win_rate"]
-        if (train_reward is not None and self.last_train_reward is not None and self.last_win_rate is not None
-                and train_reward > self.last_train_reward and win_rate < self.last_win_rate):
-            flags.append(("reward_up_win_rate_down", f"training reward rose {self.last_train_reward:.3f} -> {train_reward:.3f} "
-                                                     f"while the held-out win rate fell {self.last_win_rate:.3f} -> {win_rate:.3f}"))
+        if (
+            train_reward is not None
+            and self.last_train_reward is not None
+            and self.last_win_rate is not None
+            and train_reward > self.last_train_reward
+            and win_rate < self.last_win_rate
+        ):
+            flags.append(
+                (
+                    "reward_up_win_rate_down",
+                    f"training reward rose {self.last_train_reward:.3f} -> {train_reward:.3f} "
+                    f"while the held-out win rate fell {self.last_win_rate:.3f} -> {win_rate:.3f}",
+                )
+            )
         if self.kl_ceiling is not None and evaluation["kl_per_token"] > self.kl_ceiling:
-            flags.append(("kl_above_ceiling", f"held-out KL {evaluation['kl_per_token']:.4f} per token is above the ceiling "
-                                              f"{self.kl_ceiling}"))
+            flags.append(
+                (
+                    "kl_above_ceiling",
+                    f"held-out KL {evaluation['kl_per_token']:.4f} per token is above the ceiling {self.kl_ceiling}",
+                )
+            )
         if train_reward is not None:
             self.last_train_reward = train_reward
         self.last_win_rate = win_rate

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -47,7 +47,7 @@ class RewardScorer:
         stats = json.load(open(stats_path)) if os.path.exists(stats_path) else {}
         if normalize and not stats:
             raise ValueError(f"{stats_path} not found: train_rm.py writes it; set reward_model.normalize false to skip")
-        weights = stats.get("weights", {c: 1.0 for c in self.components})
+        weights = stats.get("weights", dict.fromkeys(self.components, 1.0))
         self.weights = torch.tensor([weights[c] for c in self.components])
         self.mean, self.std = (stats["mean"], stats["std"]) if normalize else (0.0, 1.0)
         self.clip, self.no_eos_penalty, self.max_tokens = clip, no_eos_penalty, max_tokens
@@ -63,7 +63,12 @@ class RewardScorer:
         # closed assistant turn), whatever tokens the policy produced around it.
         prompt_ids, full = tokenize_pairs(self.tokenizer, prompts, responses)
         per_seq = map_micro_batches(
-            self.model, full, [len(p) for p in prompt_ids], self.max_tokens, self.tokenizer.pad_token_id, self.share_prompts,
+            self.model,
+            full,
+            [len(p) for p in prompt_ids],
+            self.max_tokens,
+            self.tokenizer.pad_token_id,
+            self.share_prompts,
             lambda packed, _: list(last_token(packed_forward(self.model, packed), packed).float()),
         )
         components = torch.stack(per_seq)  # (B, C)

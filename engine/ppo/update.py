@@ -7,15 +7,24 @@ on how the mini-batch was cut into micro-batches or spread over ranks.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from engine.data.batching import token_mean_scale
 from engine.data.packing import PackedBatch, dummy_forward_loss, packed_forward
 from engine.ppo.experience import Experience, micro_batches, pad_right, response_logprobs, response_values
-from engine.ppo.losses import PolicyLoss, clipped_policy_loss, clipped_value_loss, dual_clip_policy_loss, estimate_advantages, gae, kl_penalty
+from engine.ppo.losses import (
+    PolicyLoss,
+    clipped_policy_loss,
+    clipped_value_loss,
+    dual_clip_policy_loss,
+    estimate_advantages,
+    gae,
+    kl_penalty,
+)
 from engine.runtime.distributed import all_reduce
 
 
@@ -32,7 +41,9 @@ class PolicyLossSettings:
         """The configured surrogate: clipped, or dual-clip when ``clip_ratio_c`` is set."""
         if self.clip_ratio_c is None:
             return clipped_policy_loss(logprobs, old_logprobs, advantages, self.clip_low, self.clip_high)
-        return dual_clip_policy_loss(logprobs, old_logprobs, advantages, self.clip_low, self.clip_high, self.clip_ratio_c)
+        return dual_clip_policy_loss(
+            logprobs, old_logprobs, advantages, self.clip_low, self.clip_high, self.clip_ratio_c
+        )
 
 
 @dataclass(frozen=True)
@@ -50,7 +61,9 @@ class ActorLoss(NamedTuple):
     kl: torch.Tensor | None  # (b, T) KL(new || ref) estimate of the KL loss (None without one)
 
 
-def actor_token_loss(logprobs: torch.Tensor, entropy: torch.Tensor, mb: Experience, settings: PolicyLossSettings) -> ActorLoss:
+def actor_token_loss(
+    logprobs: torch.Tensor, entropy: torch.Tensor, mb: Experience, settings: PolicyLossSettings
+) -> ActorLoss:
     """Per-token actor loss: is_weight * policy surrogate [+ kl_loss_coef * KL(new || ref)] [- entropy_coef * entropy]
     (``mb.is_weights``: truncated importance weights, ones unless ppo.tis_cap)."""
     pg = settings.policy_loss(logprobs, mb.old_logprobs, mb.advantages)
@@ -65,8 +78,11 @@ def actor_token_loss(logprobs: torch.Tensor, entropy: torch.Tensor, mb: Experien
 def actor_metric_names(settings: PolicyLossSettings) -> list[str]:
     """The token-mean statistics of an actor step: the surrogate, its clip fractions, approx KL to
     the rollout policy, entropy, and the dual-clip fraction and KL-loss term when those are on."""
-    return ["pg_loss", "clipfrac", "approx_kl", "entropy"] + ["dual_clipfrac"] * (settings.clip_ratio_c is not None) + [
-        "kl_loss"] * bool(settings.kl_loss_coef)
+    return (
+        ["pg_loss", "clipfrac", "approx_kl", "entropy"]
+        + ["dual_clipfrac"] * (settings.clip_ratio_c is not None)
+        + ["kl_loss"] * bool(settings.kl_loss_coef)
+    )
 
 
 def _micro_batches(
@@ -90,7 +106,13 @@ def global_token_count(mask: torch.Tensor) -> int:
 
 
 def actor_step(
-    engine, batch: Experience, settings: PolicyLossSettings, max_tokens: int, pad_id: int, poison: bool = False, share_prompts: bool = True
+    engine,
+    batch: Experience,
+    settings: PolicyLossSettings,
+    max_tokens: int,
+    pad_id: int,
+    poison: bool = False,
+    share_prompts: bool = True,
 ) -> dict[str, float]:
     """Clipped (or dual-clip) PPO policy loss [+ KL loss - entropy bonus]; returns summed stats.
     ``poison`` multiplies the loss by NaN (fault injection, engine/runtime/faults.py)."""
@@ -100,7 +122,9 @@ def actor_step(
     sums = torch.zeros(len(names) + 1, dtype=torch.float64)  # token sums of each statistic, then the token count
     for _, mb, packed in _micro_batches(engine, batch, max_tokens, pad_id, share_prompts):
         T = mb.mask.shape[1]
-        logprobs, entropy = response_logprobs(engine, packed, mb.prompt_lens, with_entropy=True, entropy_grad=settings.entropy_coef != 0)
+        logprobs, entropy = response_logprobs(
+            engine, packed, mb.prompt_lens, with_entropy=True, entropy_grad=settings.entropy_coef != 0
+        )
         logprobs, entropy = pad_right(logprobs, T), pad_right(entropy, T)  # (b, T) each
         loss = actor_token_loss(logprobs, entropy, mb, settings)
         mask = mb.mask.float()
@@ -115,7 +139,13 @@ def actor_step(
 
 
 def critic_step(
-    engine, batch: Experience, value_weights: torch.Tensor, value_clip: float, max_tokens: int, pad_id: int, share_prompts: bool = True,
+    engine,
+    batch: Experience,
+    value_weights: torch.Tensor,
+    value_clip: float,
+    max_tokens: int,
+    pad_id: int,
+    share_prompts: bool = True,
     values_gae: GaeSettings | None = None,
 ) -> dict[str, float]:
     """Clipped value loss around the rollout's values; returns summed stats. ``values_gae``: the
@@ -126,7 +156,9 @@ def critic_step(
     scale = token_mean_scale(global_token_count(batch.mask), world)
     sums = torch.zeros(4, dtype=torch.float64)  # vf_loss, clipped tokens, value, tokens
     for rows, mb, packed in _micro_batches(engine, batch, max_tokens, pad_id, share_prompts):
-        values = pad_right(response_values(packed_forward(engine, packed), packed, mb.prompt_lens, value_weights), mb.mask.shape[1])
+        values = pad_right(
+            response_values(packed_forward(engine, packed), packed, mb.prompt_lens, value_weights), mb.mask.shape[1]
+        )
         if values_gae is not None:
             mb.old_values = values.detach()
             mb.returns = gae(mb.rewards, mb.old_values, mb.mask, values_gae.gamma, values_gae.lam)[1]
@@ -135,7 +167,9 @@ def critic_step(
         mask = mb.mask.float()
         engine.backward((vf.loss * mask).sum() * scale)
         with torch.no_grad():
-            sums += torch.stack([(vf.loss * mask).sum(), (vf.clipped.float() * mask).sum(), (values * mask).sum(), mask.sum()]).double()
+            sums += torch.stack(
+                [(vf.loss * mask).sum(), (vf.clipped.float() * mask).sum(), (values * mask).sum(), mask.sum()]
+            ).double()
     engine.step()
     return _means(sums, ["vf_loss", "vf_clipfrac", "value_mean"])
 
@@ -191,12 +225,23 @@ def update_on_rollout(
             mb = exp.select(rows)
             step_stats = {}
             if critic is not None:
-                step_stats = critic_step(critic, mb, value_weights, value_clip, max_tokens, pad_id, share_prompts, values_gae)
+                step_stats = critic_step(
+                    critic, mb, value_weights, value_clip, max_tokens, pad_id, share_prompts, values_gae
+                )
                 after_step(critic, "critic")
             if values_gae is not None:
                 exp.old_values[torch.tensor(rows)] = mb.old_values
-                exp.advantages, exp.returns = estimate_advantages("gae", exp.rewards, exp.old_values, exp.mask, values_gae.gamma,
-                                                                  values_gae.lam, 1, values_gae.whiten, group=torch.distributed.group.WORLD)
+                exp.advantages, exp.returns = estimate_advantages(
+                    "gae",
+                    exp.rewards,
+                    exp.old_values,
+                    exp.mask,
+                    values_gae.gamma,
+                    values_gae.lam,
+                    1,
+                    values_gae.whiten,
+                    group=torch.distributed.group.WORLD,
+                )
                 mb, values_gae = exp.select(rows), None
             if train_actor:
                 step_stats |= actor_step(actor, mb, settings, max_tokens, pad_id, poison, share_prompts)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -25,7 +25,6 @@ def score_pairs(model, examples: Sequence[PreferenceExample]) -> tuple[torch.Ten
     return rewards[:, 0], rewards[:, 1]
 
 
-
 class PairStats:
     """Sums over pairs (this rank), reduced over ranks on demand: accuracy, margin, loss terms."""
 
@@ -37,7 +36,12 @@ class PairStats:
         self.sums = torch.zeros(7 + 5 * C, dtype=torch.float64)
 
     def add(
-        self, r_chosen: torch.Tensor, r_rejected: torch.Tensor, weights: torch.Tensor, labels: torch.Tensor, losses: PairLosses
+        self,
+        r_chosen: torch.Tensor,
+        r_rejected: torch.Tensor,
+        weights: torch.Tensor,
+        labels: torch.Tensor,
+        losses: PairLosses,
     ) -> None:
         """Accumulate a micro-batch: rewards (B, C), labels (B, C) in {-1, 0, 1}."""
         r_c, r_r = r_chosen.detach().double(), r_rejected.detach().double()

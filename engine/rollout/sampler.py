@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -49,7 +49,9 @@ def sampled_logprobs(logprobs, token_ids: Sequence[int]) -> list[float]:
     """Each sampled token's log-prob from vLLM's ``FlatLogprobs`` (``logprobs=0``: one entry, the
     sampled token's, per position)."""
     if list(logprobs.token_ids) != list(token_ids):
-        raise RuntimeError(f"vLLM returned log-probs of tokens {list(logprobs.token_ids)[:8]}... for samples {list(token_ids)[:8]}...")
+        raise RuntimeError(
+            f"vLLM returned log-probs of tokens {list(logprobs.token_ids)[:8]}... for samples {list(token_ids)[:8]}..."
+        )
     return list(logprobs.logprobs)
 
 
@@ -118,7 +120,9 @@ class VLLMSampler:
             self.llm.wake_up()
             self.asleep = False
 
-    def generate(self, prompts: Sequence[list[int]], settings: SamplingSettings, request_seed: int) -> list[list[Sample]]:
+    def generate(
+        self, prompts: Sequence[list[int]], settings: SamplingSettings, request_seed: int
+    ) -> list[list[Sample]]:
         """``settings.n`` samples per prompt; the draw depends only on ``request_seed``.
 
         vLLM samples from the global torch RNG: it is seeded with ``request_seed`` for the call
@@ -133,14 +137,21 @@ class VLLMSampler:
         mine = torch.distributed.get_rank(self.tp_group)
         return [self._generate(p, settings, seed) for p, seed in requests][mine]
 
-    def _generate(self, prompts: Sequence[list[int]], settings: SamplingSettings, request_seed: int) -> list[list[Sample]]:
+    def _generate(
+        self, prompts: Sequence[list[int]], settings: SamplingSettings, request_seed: int
+    ) -> list[list[Sample]]:
         from vllm import SamplingParams
 
         if not prompts:  # a member with nothing to sample (held-out prompts split unevenly)
             return []
         params = SamplingParams(
-            n=settings.n, temperature=settings.temperature, top_p=settings.top_p, max_tokens=settings.max_new_tokens,
-            logprobs=0, flat_logprobs=True, detokenize=False,  # token ids and their log-probs only: 15% faster on 2 cores at h128
+            n=settings.n,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            max_tokens=settings.max_new_tokens,
+            logprobs=0,
+            flat_logprobs=True,
+            detokenize=False,  # token ids and their log-probs only: 15% faster on 2 cores at h128
         )
         trainer_rng = torch.get_rng_state()
         torch.manual_seed(request_seed)
@@ -191,7 +202,9 @@ class HFSampler:
         self.actor = actor
         self.pad_token_id, self.eos_token_id = pad_token_id, eos_token_id
 
-    def generate(self, prompts: Sequence[list[int]], settings: SamplingSettings, request_seed: int) -> list[list[Sample]]:
+    def generate(
+        self, prompts: Sequence[list[int]], settings: SamplingSettings, request_seed: int
+    ) -> list[list[Sample]]:
         module = getattr(self.actor, "module", self.actor)
         zero3 = hasattr(next(module.parameters()), "ds_id")
         width = max(len(p) for p in prompts)

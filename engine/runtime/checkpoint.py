@@ -69,7 +69,7 @@ class GuardedCheckpointEngine(TorchCheckpointEngine):
         if self.write_error is None:
             try:
                 super().save(state_dict, path)
-            except Exception as e:  # noqa: BLE001 -- whatever the writer raised, the save failed
+            except Exception as e:
                 self.write_error = e
 
     def load(self, path: str, map_location=None):
@@ -114,7 +114,12 @@ def has_frozen_parameters(engine) -> bool:
 
 
 def save_checkpoint(
-    ckpt_root: str, step: int, engines: dict[str, Any], trainer_state: dict[str, Any], keep_last: int, keep: str | None = None
+    ckpt_root: str,
+    step: int,
+    engines: dict[str, Any],
+    trainer_state: dict[str, Any],
+    keep_last: int,
+    keep: str | None = None,
 ) -> str:
     """All ranks call it; returns the checkpoint directory. Older checkpoints beyond the last
     ``keep_last`` are deleted, except ``keep`` (e.g. the rollback target)."""
@@ -128,13 +133,15 @@ def save_checkpoint(
     try:
         for name, engine in engines.items():
             engine.checkpoint_engine.write_error = None
-            engine.save_checkpoint(tmp, tag=name, save_latest=False, exclude_frozen_parameters=True)  # LoRA: the adapters only
+            engine.save_checkpoint(
+                tmp, tag=name, save_latest=False, exclude_frozen_parameters=True
+            )  # LoRA: the adapters only
             error = error or engine.checkpoint_engine.write_error
         if faults.fail_checkpoint_write_at(step):
             raise OSError(errno.ENOSPC, "No space left on device (injected by RLHF_FAULTS)")
         if error is None:
             torch.save({**trainer_state, "rng": rng_state()}, os.path.join(tmp, f"trainer_state_rank{rank}.pt"))
-    except Exception as e:  # noqa: BLE001 -- disk full, quota, permissions: every rank must learn it before anyone renames
+    except Exception as e:
         error = e
     if faults.kill_in_checkpoint_at(step):
         os.kill(os.getpid(), signal.SIGKILL)
@@ -189,8 +196,10 @@ def describe_checkpoints(ckpt_root: str) -> str:
     if not complete:
         return f"{len(found)} checkpoint(s) in {ckpt_root}, all damaged (files differ from their {MANIFEST}): {', '.join(found)}"
     if named is None:
-        return (f"no '{LATEST}' pointer in {ckpt_root} (complete checkpoints: {', '.join(complete)}); to resume from one, "
-                f"write its name into {os.path.join(ckpt_root, LATEST)}")
+        return (
+            f"no '{LATEST}' pointer in {ckpt_root} (complete checkpoints: {', '.join(complete)}); to resume from one, "
+            f"write its name into {os.path.join(ckpt_root, LATEST)}"
+        )
     return f"'{LATEST}' names {named}, and no complete checkpoint up to it (complete: {', '.join(complete)})"
 
 
@@ -216,7 +225,9 @@ def _read_latest(ckpt_root: str) -> str | None:
     return name if _STEP_DIR.match(name) else None
 
 
-def load_checkpoint(path: str, engines: dict[str, Any], run_identity: dict[str, Any], allow_config_change: bool) -> dict[str, Any]:
+def load_checkpoint(
+    path: str, engines: dict[str, Any], run_identity: dict[str, Any], allow_config_change: bool
+) -> dict[str, Any]:
     """Restore engines (weights, optimizer, scheduler) and RNGs; returns the trainer state.
 
     Refuses (ResumeError) a checkpoint written by a run whose ``run_identity`` (model, data,
@@ -233,13 +244,22 @@ def load_checkpoint(path: str, engines: dict[str, Any], run_identity: dict[str, 
         )
     for name, engine in engines.items():
         try:
-            load_path, _ = engine.load_checkpoint(path, tag=name, load_optimizer_states=True, load_lr_scheduler_states=True,
-                                                  load_module_strict=not has_frozen_parameters(engine))
-        except pickle.UnpicklingError as e:  # GuardedCheckpointEngine: an object that is not a tensor or DeepSpeed state
+            load_path, _ = engine.load_checkpoint(
+                path,
+                tag=name,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=True,
+                load_module_strict=not has_frozen_parameters(engine),
+            )
+        except (
+            pickle.UnpicklingError
+        ) as e:  # GuardedCheckpointEngine: an object that is not a tensor or DeepSpeed state
             unsafe = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line), str(e).splitlines()[0])
-            raise ResumeError(f"{path}: refused to load engine '{name}': its files hold an object that loading would run code for "
-                              f"({unsafe}); a checkpoint holds tensors and DeepSpeed's state only. Resume from a checkpoint you "
-                              "trust.") from None
+            raise ResumeError(
+                f"{path}: refused to load engine '{name}': its files hold an object that loading would run code for "
+                f"({unsafe}); a checkpoint holds tensors and DeepSpeed's state only. Resume from a checkpoint you "
+                "trust."
+            ) from None
         if load_path is None:
             raise ResumeError(f"{path}: DeepSpeed could not load engine '{name}'")
     set_rng_state(state.pop("rng"))
@@ -282,7 +302,9 @@ class OutputDirError(RuntimeError):
 
 def parameter_count(models: list[torch.nn.Module], trained_only: bool = False) -> int:
     """Parameters of ``models`` at their full size (ZeRO-3: ``ds_numel``), or only the trained ones."""
-    return sum(getattr(p, "ds_numel", p.numel()) for m in models for p in m.parameters() if p.requires_grad or not trained_only)
+    return sum(
+        getattr(p, "ds_numel", p.numel()) for m in models for p in m.parameters() if p.requires_grad or not trained_only
+    )
 
 
 def checkpoint_bytes(models: list[torch.nn.Module]) -> int:

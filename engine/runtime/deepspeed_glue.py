@@ -6,7 +6,8 @@ import copy
 import json
 import os
 import shutil
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import deepspeed
 import torch
@@ -80,7 +81,9 @@ def fetch_whole_decoder_layers(model: torch.nn.Module, ds_config: dict[str, Any]
     classes = list(getattr(base, "_no_split_modules", None) or [])
     if zero_stage(ds_config) != 3 or not classes:  # ZeRO-2, or no transformers blocks (a plain torch module)
         return
-    trains_on_frozen_inputs = any(p.requires_grad for p in model.parameters()) and not base.get_input_embeddings().weight.requires_grad
+    trains_on_frozen_inputs = (
+        any(p.requires_grad for p in model.parameters()) and not base.get_input_embeddings().weight.requires_grad
+    )
     if not trains_on_frozen_inputs:
         set_z3_leaf_modules(model, classes, raise_if_not_found=False)
 
@@ -128,12 +131,21 @@ def describe_engine(engine) -> str:
     param = next(engine.module.parameters())
     dtype = getattr(param, "ds_tensor", param).dtype  # ZeRO-3: this rank's partition
     optimizer = engine.optimizer
-    offloads = [what for what, on in (
-        ("optimizer", getattr(optimizer, "offload_optimizer", False) or getattr(optimizer, "cpu_offload", False)),  # ZeRO-3, ZeRO-1/2
-        ("parameters", getattr(optimizer, "offload_param", False)),
-    ) if on]
-    return (f"ZeRO-{engine.zero_optimization_stage()}, {str(dtype).removeprefix('torch.')} weights, offload: {' + '.join(offloads) or 'none'}, "
-            f"gradient checkpointing {'on' if getattr(engine.module, 'is_gradient_checkpointing', False) else 'off'}")
+    offloads = [
+        what
+        for what, on in (
+            (
+                "optimizer",
+                getattr(optimizer, "offload_optimizer", False) or getattr(optimizer, "cpu_offload", False),
+            ),  # ZeRO-3, ZeRO-1/2
+            ("parameters", getattr(optimizer, "offload_param", False)),
+        )
+        if on
+    ]
+    return (
+        f"ZeRO-{engine.zero_optimization_stage()}, {str(dtype).removeprefix('torch.')} weights, offload: {' + '.join(offloads) or 'none'}, "
+        f"gradient checkpointing {'on' if getattr(engine.module, 'is_gradient_checkpointing', False) else 'off'}"
+    )
 
 
 def full_state_dict(engine, trained_only: bool = False) -> dict[str, torch.Tensor] | None:

@@ -78,7 +78,9 @@ def ranks_not_sharing(directory: str) -> list[str]:
     empty when all ranks share it (one node, or a filesystem every node mounts). Collective;
     leaves ``directory`` as it found it."""
     rank, created = torch.distributed.get_rank(), not os.path.isdir(directory)
-    name = [f".shared_check_{socket.gethostname()}_{os.getpid()}_{time.time_ns()}"]  # never looked up before: no stale cache
+    name = [
+        f".shared_check_{socket.gethostname()}_{os.getpid()}_{time.time_ns()}"
+    ]  # never looked up before: no stale cache
     torch.distributed.broadcast_object_list(name, src=0)
     probe = os.path.join(directory, name[0])
     if rank == 0:
@@ -108,5 +110,7 @@ def accelerator_memory_metrics() -> dict[str, float]:
     the caching allocator. Empty on a CPU."""
     if not torch.cuda.is_available():
         return {}
-    return {"memory/peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "memory/peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
+    return {
+        "memory/peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "memory/peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+    }

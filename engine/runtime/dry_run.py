@@ -8,14 +8,22 @@ stage, and writes nothing. Needs no process group; the world size is the launche
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-from engine.data.batching import epoch_order, epoch_schedule, group_tokens, plan_global, plan_micro_batches, prompt_groups
+from engine.data.batching import (
+    epoch_order,
+    epoch_schedule,
+    group_tokens,
+    plan_global,
+    plan_micro_batches,
+    prompt_groups,
+)
 from engine.data.chat import prompt_ids
 from engine.runtime.deepspeed_glue import zero_stage
 from engine.runtime.lora import add_adapters
@@ -31,7 +39,9 @@ def length_stats(lengths: Sequence[int]) -> str:
     return f"{len(lengths):,} items, tokens p50 {p50:.0f} / p90 {p90:.0f} / max {max(lengths)}"
 
 
-def parameter_counts(path: str, value_head: bool, components: Sequence[str] | None = None, trust_remote_code: bool = False) -> tuple[int, int]:
+def parameter_counts(
+    path: str, value_head: bool, components: Sequence[str] | None = None, trust_remote_code: bool = False
+) -> tuple[int, int]:
     """``(total, largest layer)`` parameters of the model a script would load from ``path``."""
     model = meta_model(path, value_head, components, trust_remote_code)
     total = sum(p.numel() for p in model.parameters())  # tied weights count once
@@ -45,10 +55,16 @@ def trained_memory(total: int, largest: int, ds_config: dict[str, Any], world: i
     offloaded = lambda key: zero.get(key, {}).get("device", "none") not in ("none", None)
     if stage == 3:
         cpu, device, _ = estimate_zero3_model_states_mem_needs(
-            total, largest, num_gpus_per_node=world, cpu_offload=offloaded("offload_optimizer"), cpu_offload_params=offloaded("offload_param")
+            total,
+            largest,
+            num_gpus_per_node=world,
+            cpu_offload=offloaded("offload_optimizer"),
+            cpu_offload_params=offloaded("offload_param"),
         )
     else:
-        cpu, device = estimate_zero2_model_states_mem_needs(total, num_gpus_per_node=world, cpu_offload=offloaded("offload_optimizer"))
+        cpu, device = estimate_zero2_model_states_mem_needs(
+            total, num_gpus_per_node=world, cpu_offload=offloaded("offload_optimizer")
+        )
     return f"ZeRO-{stage}, {world} rank(s): {size(device)} per device, {size(cpu)} CPU per node"
 
 
@@ -67,13 +83,21 @@ def print_models(models: list[tuple], ds_config: dict[str, Any], world: int, cfg
     for name, path, value_head, components, trained, *lora in models:
         total, largest = parameter_counts(path, value_head, components, cfg_model.trust_remote_code)
         if lora and lora[0].rank:
-            model = add_adapters(meta_model(path, value_head, components, cfg_model.trust_remote_code), lora[0], causal_lm=not value_head)
+            model = add_adapters(
+                meta_model(path, value_head, components, cfg_model.trust_remote_code), lora[0], causal_lm=not value_head
+            )
             adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            print(f"  {name:<12} {total:>15,} parameters (LoRA rank {lora[0].rank}: {adapters:,} trained): "
-                  f"{frozen_memory(total, ds_config, world, cfg_model.bf16)} + {trained_memory(adapters, largest, ds_config, world)}; "
-                  f"without LoRA: {trained_memory(total, largest, ds_config, world)}")
+            print(
+                f"  {name:<12} {total:>15,} parameters (LoRA rank {lora[0].rank}: {adapters:,} trained): "
+                f"{frozen_memory(total, ds_config, world, cfg_model.bf16)} + {trained_memory(adapters, largest, ds_config, world)}; "
+                f"without LoRA: {trained_memory(total, largest, ds_config, world)}"
+            )
             continue
-        memory = trained_memory(total, largest, ds_config, world) if trained else frozen_memory(total, ds_config, world, cfg_model.bf16)
+        memory = (
+            trained_memory(total, largest, ds_config, world)
+            if trained
+            else frozen_memory(total, ds_config, world, cfg_model.bf16)
+        )
         print(f"  {name:<12} {total:>15,} parameters ({'trained' if trained else 'frozen'}): {memory}")
 
 
@@ -83,25 +107,35 @@ def vllm_memory(cfg, world: int) -> str:
     r, tp = cfg.rollout, cfg.rollout.tensor_parallel_size
     total, _ = parameter_counts(cfg.actor.path, False, None, cfg.actor.trust_remote_code)
     weights = weight_bytes(total, cfg.actor.bf16, tp)
-    cache = f"{r.vllm_kv_cache_mb} MiB KV cache" if not torch.cuda.is_available() else f"KV cache in {r.vllm_gpu_memory_utilization:.0%} of the GPU"
+    cache = (
+        f"{r.vllm_kv_cache_mb} MiB KV cache"
+        if not torch.cuda.is_available()
+        else f"KV cache in {r.vllm_gpu_memory_utilization:.0%} of the GPU"
+    )
     layout = f"{world // tp} engine(s) of tensor parallel size {tp}" if tp > 1 else f"{world} engine(s), one per rank"
     return f"{layout}: {weights} weights per rank + {cache}"
 
 
 def step_plan(lengths: list[int], per_step: int, budget: int, world: int) -> str:
     """Micro-batches per optimizer step over one epoch's order of item ``lengths``."""
-    plans = [plan_global(lengths[start : start + per_step], budget, world) for start in range(0, len(lengths), per_step)]
+    plans = [
+        plan_global(lengths[start : start + per_step], budget, world) for start in range(0, len(lengths), per_step)
+    ]
     counts = [len(plan[0]) for plan in plans]
     fill = [sum(lengths[i] for i in micro) for micro in plans[0][0] if micro]
-    return (f"micro-batches (budget {budget} tokens, packed): {np.mean(counts):.1f} per step on average, max {max(counts)}; "
-            f"step 1 on rank 0: {fill} tokens")
+    return (
+        f"micro-batches (budget {budget} tokens, packed): {np.mean(counts):.1f} per step on average, max {max(counts)}; "
+        f"step 1 on rank 0: {fill} tokens"
+    )
 
 
 def sft_plan(cfg, train: list, validation: list, ds_config: dict[str, Any], world: int) -> int:
     """The SFT run: data, per-step micro-batch plan, parameters, memory."""
     print(f"dry run of train_sft.py ({world} rank(s)); nothing is trained or written")
-    print(f"train conversations:      {length_stats([c.num_tokens for c in train])}; "
-          f"{sum(c.num_trained for c in train):,} trained (assistant) tokens")
+    print(
+        f"train conversations:      {length_stats([c.num_tokens for c in train])}; "
+        f"{sum(c.num_trained for c in train):,} trained (assistant) tokens"
+    )
     if validation:
         print(f"validation conversations: {length_stats([c.num_tokens for c in validation])}")
     per_step = cfg.train.conversations_per_step
@@ -118,8 +152,14 @@ def rm_plan(cfg, train: list, validation: list, ds_config: dict[str, Any], world
     """The reward-model run: data, per-step micro-batch plan, parameters, memory."""
     print(f"dry run of train_rm.py ({world} rank(s)); nothing is trained or written")
     shared = any(e.shared_prefix for e in train)
-    print(f"train pairs:      {length_stats([e.num_tokens for e in train])} (chosen + rejected"
-          + (f", the prompt once: {sum(e.shared_prefix for e in train) / sum(e.num_tokens for e in train):.0%} fewer tokens)" if shared else ")"))
+    print(
+        f"train pairs:      {length_stats([e.num_tokens for e in train])} (chosen + rejected"
+        + (
+            f", the prompt once: {sum(e.shared_prefix for e in train) / sum(e.num_tokens for e in train):.0%} fewer tokens)"
+            if shared
+            else ")"
+        )
+    )
     print(f"validation pairs: {length_stats([e.num_tokens for e in validation])}")
     per_step = cfg.train.pairs_per_step
     per_epoch, total = epoch_schedule(len(train), per_step, cfg.train.epochs, cfg.train.max_steps)
@@ -135,13 +175,23 @@ def experience_micro_batches(cfg, prompt_lengths: list[int], budget: int) -> str
     """Micro-batches of one experience forward over these prompts' samples at max_new_tokens, with
     what sharing each prompt among its samples saves (ppo.share_prompt)."""
     r = cfg.rollout
-    sequences = [[i] * n + [-1] * r.max_new_tokens for i, n in enumerate(prompt_lengths) for _ in range(r.samples_per_prompt)]
+    sequences = [
+        [i] * n + [-1] * r.max_new_tokens for i, n in enumerate(prompt_lengths) for _ in range(r.samples_per_prompt)
+    ]
     plain = [len(s) for s in sequences]
-    if not (cfg.ppo.share_prompt and r.samples_per_prompt > 1 and attention_shares_prompts(cfg.actor.attn_implementation, cfg.actor.bf16)):
+    if not (
+        cfg.ppo.share_prompt
+        and r.samples_per_prompt > 1
+        and attention_shares_prompts(cfg.actor.attn_implementation, cfg.actor.bf16)
+    ):
         return str(len(plan_micro_batches(plain, budget)))
-    shared = group_tokens(sequences, prompt_groups(sequences, [n for n in prompt_lengths for _ in range(r.samples_per_prompt)], budget))
-    return (f"{len(plan_micro_batches(shared, budget))} (each prompt once for its {r.samples_per_prompt} samples: "
-            f"{1 - sum(shared) / sum(plain):.0%} fewer tokens)")
+    shared = group_tokens(
+        sequences, prompt_groups(sequences, [n for n in prompt_lengths for _ in range(r.samples_per_prompt)], budget)
+    )
+    return (
+        f"{len(plan_micro_batches(shared, budget))} (each prompt once for its {r.samples_per_prompt} samples: "
+        f"{1 - sum(shared) / sum(plain):.0%} fewer tokens)"
+    )
 
 
 def ppo_plan(cfg, prompts: list, eval_prompts: list, tokenizer, ds_config: dict[str, Any], world: int) -> int:
@@ -155,32 +205,57 @@ def ppo_plan(cfg, prompts: list, eval_prompts: list, tokenizer, ds_config: dict[
     longest = max(lengths) + r.max_new_tokens
     too_long = sum(n + r.max_new_tokens > r.vllm_max_model_len for n in lengths)
     per_iteration = r.prompts_per_iteration * r.samples_per_prompt
-    print(f"rollout: {r.prompts_per_iteration} prompts x {r.samples_per_prompt} samples = {per_iteration} sequences per iteration, "
-          f"{len(prompts) // r.prompts_per_iteration} iterations per pass over the prompts, {cfg.train.iterations} iterations")
+    print(
+        f"rollout: {r.prompts_per_iteration} prompts x {r.samples_per_prompt} samples = {per_iteration} sequences per iteration, "
+        f"{len(prompts) // r.prompts_per_iteration} iterations per pass over the prompts, {cfg.train.iterations} iterations"
+    )
     if too_long:
-        print(f"warning: {too_long} prompt(s) + max_new_tokens exceed rollout.vllm_max_model_len={r.vllm_max_model_len}")
+        print(
+            f"warning: {too_long} prompt(s) + max_new_tokens exceed rollout.vllm_max_model_len={r.vllm_max_model_len}"
+        )
     budget = cfg.ppo.max_tokens_per_micro_batch
-    worst = [n + r.max_new_tokens for n in sorted(lengths)[-per_iteration // world :]]  # this rank's longest possible share
+    worst = [
+        n + r.max_new_tokens for n in sorted(lengths)[-per_iteration // world :]
+    ]  # this rank's longest possible share
     mini = cfg.ppo.mini_batch_size // world
-    print(f"micro-batches (budget {budget} tokens, worst case: longest prompts + max_new_tokens, longest {longest}): "
-          f"{experience_micro_batches(cfg, sorted(lengths)[-r.prompts_per_iteration // world :], budget)} per experience forward, "
-          f"{len(plan_micro_batches(worst[-mini:], budget))} per mini-batch update; "
-          f"{cfg.ppo.ppo_epochs * per_iteration // cfg.ppo.mini_batch_size} optimizer steps per iteration per trained model")
+    print(
+        f"micro-batches (budget {budget} tokens, worst case: longest prompts + max_new_tokens, longest {longest}): "
+        f"{experience_micro_batches(cfg, sorted(lengths)[-r.prompts_per_iteration // world :], budget)} per experience forward, "
+        f"{len(plan_micro_batches(worst[-mini:], budget))} per mini-batch update; "
+        f"{cfg.ppo.ppo_epochs * per_iteration // cfg.ppo.mini_batch_size} optimizer steps per iteration per trained model"
+    )
     components = None if cfg.critic.init_from == "reward_model" else ["value"]
     critic_path = cfg.reward_model.path if cfg.critic.init_from == "reward_model" else cfg.actor.path
-    critic = [("critic", critic_path, True, components, True, cfg.critic.lora)] if cfg.ppo.advantage_estimator == "gae" else []
+    critic = (
+        [("critic", critic_path, True, components, True, cfg.critic.lora)]
+        if cfg.ppo.advantage_estimator == "gae"
+        else []
+    )
     reference = [] if cfg.actor.lora.rank else [("reference", cfg.actor.path, False, None, False)]
     print("models:")
-    print_models([("actor", cfg.actor.path, False, None, True, cfg.actor.lora), *critic, *reference,
-                  ("reward model", cfg.reward_model.path, True, None, False)], ds_config, world, cfg.actor)
+    print_models(
+        [
+            ("actor", cfg.actor.path, False, None, True, cfg.actor.lora),
+            *critic,
+            *reference,
+            ("reward model", cfg.reward_model.path, True, None, False),
+        ],
+        ds_config,
+        world,
+        cfg.actor,
+    )
     if not critic:
         total, largest = parameter_counts(critic_path, True, components, cfg.actor.trust_remote_code)
-        print(f"  critic       none: ppo.advantage_estimator {cfg.ppo.advantage_estimator} needs no value model "
-              f"(saves {trained_memory(total, largest, ds_config, world)})")
+        print(
+            f"  critic       none: ppo.advantage_estimator {cfg.ppo.advantage_estimator} needs no value model "
+            f"(saves {trained_memory(total, largest, ds_config, world)})"
+        )
     if not reference:
         total, _ = parameter_counts(cfg.actor.path, False, None, cfg.actor.trust_remote_code)
-        print(f"  reference    none: the actor with its LoRA adapters disabled (no copy: "
-              f"{frozen_memory(total, ds_config, world, cfg.actor.bf16)} saved)")
+        print(
+            f"  reference    none: the actor with its LoRA adapters disabled (no copy: "
+            f"{frozen_memory(total, ds_config, world, cfg.actor.bf16)} saved)"
+        )
     if r.sampler == "vllm":
         print(f"  vLLM sampler: {vllm_memory(cfg, world)}")
     return 0

@@ -9,7 +9,7 @@ disabled.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import deepspeed
 import torch

@@ -7,8 +7,9 @@ import os
 import random
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, NoReturn, TypeVar
+from typing import NoReturn, TypeVar
 
 import numpy as np
 import torch
@@ -44,12 +45,20 @@ def start_run(config_cls: type[T], description: str) -> tuple[T, RunArgs, int, i
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", required=True, help="run config JSON")
     start = parser.add_mutually_exclusive_group()
-    start.add_argument("--resume", action="store_true", help="continue from the latest checkpoint of logging.output_dir")
-    start.add_argument("--overwrite", action="store_true", help="start afresh in an output directory that holds a run, replacing it")
-    parser.add_argument(
-        "--allow-config-change", action="store_true", help="resume even if model, data or batch shape changed since the checkpoint"
+    start.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint of logging.output_dir"
     )
-    parser.add_argument("--dry-run", action="store_true", help="print the run's plan (data, batches, parameters, memory) and exit")
+    start.add_argument(
+        "--overwrite", action="store_true", help="start afresh in an output directory that holds a run, replacing it"
+    )
+    parser.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume even if model, data or batch shape changed since the checkpoint",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the run's plan (data, batches, parameters, memory) and exit"
+    )
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     args, overrides = parser.parse_known_args()
     try:

@@ -28,7 +28,8 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 from tqdm import tqdm
@@ -55,8 +56,17 @@ from engine.runtime.launch import GracefulStop, RunArgs, RunRefused
 
 # What a run writes into its output directory (besides the exported model). --overwrite removes
 # these and nothing else: a user's own files there stay.
-RUN_FILES = ("metrics.jsonl", "events.jsonl", "samples.jsonl", "config.json", "report.html", "report", "tensorboard", "wandb",
-             "checkpoints")
+RUN_FILES = (
+    "metrics.jsonl",
+    "events.jsonl",
+    "samples.jsonl",
+    "config.json",
+    "report.html",
+    "report",
+    "tensorboard",
+    "wandb",
+    "checkpoints",
+)
 
 
 class Checkpointable(Protocol):
@@ -124,24 +134,27 @@ class RunLifecycle:
             blind = ranks_not_sharing(self.output_dir)
             if blind:
                 raise RunRefused(
-                    "output", f"logging.output_dir {self.output_dir} is not one directory for all ranks: {', '.join(blind)} cannot "
+                    "output",
+                    f"logging.output_dir {self.output_dir} is not one directory for all ranks: {', '.join(blind)} cannot "
                     "see the files rank 0 writes there. Every rank writes its share of each checkpoint there and reads them all on "
-                    "--resume: put it on a filesystem every node mounts (NFS, Lustre, ...); nothing was changed."
+                    "--resume: put it on a filesystem every node mounts (NFS, Lustre, ...); nothing was changed.",
                 )
         found = existing_run(self.output_dir, self.export_dir)
         if self.run_args.resume:
             path = latest_checkpoint(self.ckpt_root)
             if path is None:
                 raise RunRefused(
-                    "resume", f"nothing to resume: {describe_checkpoints(self.ckpt_root)}. To start afresh, run without "
+                    "resume",
+                    f"nothing to resume: {describe_checkpoints(self.ckpt_root)}. To start afresh, run without "
                     + ("--resume and with --overwrite (this replaces the run there)" if found else "--resume")
-                    + " or choose another logging.output_dir; nothing was changed."
+                    + " or choose another logging.output_dir; nothing was changed.",
                 )
             return path
         if found and not self.run_args.overwrite:
             raise RunRefused(
-                "output", f"{self.output_dir} already holds a run ({', '.join(found)}). Continue it with --resume, replace "
-                "it with --overwrite, or choose another logging.output_dir; nothing was changed."
+                "output",
+                f"{self.output_dir} already holds a run ({', '.join(found)}). Continue it with --resume, replace "
+                "it with --overwrite, or choose another logging.output_dir; nothing was changed.",
             )
         return None
 
@@ -167,8 +180,11 @@ class RunLifecycle:
 
     def trainer_state(self) -> dict[str, Any]:
         """What a checkpoint holds besides the engines (the RNG states are added by the checkpoint)."""
-        return {"run": {"step": self.step, "lr_scale": self.lr_scale, "last_good": self.last_good},
-                "run_identity": self.identity, **{name: obj.state_dict() for name, (obj, _) in self._registry.items()}}
+        return {
+            "run": {"step": self.step, "lr_scale": self.lr_scale, "last_good": self.last_good},
+            "run_identity": self.identity,
+            **{name: obj.state_dict() for name, (obj, _) in self._registry.items()},
+        }
 
     # --- start: preflight, resume, logger ----------------------------------------------------
     def start(
@@ -194,7 +210,9 @@ class RunLifecycle:
                 _remove(os.path.join(self.output_dir, name))
         trained = checkpoint_bytes([e.module for e in engines.values()])
         try:  # room for keep_last + 1 checkpoints (a new one is written before the oldest goes) and the export
-            preflight_output_dir(self.output_dir, (self.keep_last + 1) * trained + 4 * parameter_count([export_engine.module]))
+            preflight_output_dir(
+                self.output_dir, (self.keep_last + 1) * trained + 4 * parameter_count([export_engine.module])
+            )
         except OutputDirError as e:
             raise RunRefused("output", str(e)) from None
         torch.distributed.barrier()  # rank 0 made room before anyone writes
@@ -202,9 +220,15 @@ class RunLifecycle:
             self._restore(self.resume_from, allow_config_change=self.run_args.allow_config_change, rollback=False)
             for fn in self._after_restore:
                 fn()
-        self.logger = RunLogger(self.output_dir, config, enabled=self.rank == 0, use_tensorboard=use_tensorboard,
-                                use_wandb=use_wandb, wandb_project=wandb_project,
-                                resume_step=self.step if self.resume_from else None)
+        self.logger = RunLogger(
+            self.output_dir,
+            config,
+            enabled=self.rank == 0,
+            use_tensorboard=use_tensorboard,
+            use_wandb=use_wandb,
+            wandb_project=wandb_project,
+            resume_step=self.step if self.resume_from else None,
+        )
         self.total_steps = total_steps
         self.bar = tqdm(total=total_steps, initial=self.step, disable=self.rank != 0 or not progress_bar, desc=desc)
         self.stop = GracefulStop()  # after vLLM started: its engine installs handlers of its own
@@ -219,8 +243,11 @@ class RunLifecycle:
         except ResumeError as e:
             raise RunRefused("resume", str(e)) from None
         except KeyError as e:
-            raise RunRefused("resume", f"{path} has no saved state {e} (written by another version of the scripts?); "
-                             "start afresh with --overwrite or in another logging.output_dir") from None
+            raise RunRefused(
+                "resume",
+                f"{path} has no saved state {e} (written by another version of the scripts?); "
+                "start afresh with --overwrite or in another logging.output_dir",
+            ) from None
         self.step = saved["step"]
         if not rollback:
             self.lr_scale, self.last_good = saved["lr_scale"], saved["last_good"]
@@ -241,13 +268,18 @@ class RunLifecycle:
         """After an optimizer step of ``engine`` (``name``: which model, when there are several): a
         step DeepSpeed discarded (NaN/Inf) is an event; too many in a row end the run (exit 3)."""
         try:
-            skipped = guard.update(engine.was_step_applied(), f"{name}, {self.unit} {step}" if name else f"{self.unit} {step}")
+            skipped = guard.update(
+                engine.was_step_applied(), f"{name}, {self.unit} {step}" if name else f"{self.unit} {step}"
+            )
         except TrainingAborted as e:
             self.event("nonfinite_abort", str(e), step=step)
             raise RunEnded(3, f"training aborted: {e}") from None
         if skipped:
-            self.event("nonfinite_skip", f"{name or 'optimizer'} step skipped: non-finite loss or gradient ({guard.in_a_row} in a row)",
-                       step=step)
+            self.event(
+                "nonfinite_skip",
+                f"{name or 'optimizer'} step skipped: non-finite loss or gradient ({guard.in_a_row} in a row)",
+                step=step,
+            )
 
     def scale_lr(self, factor: float) -> None:
         """Multiply ``lr_engine``'s learning rate by ``factor`` for the rest of the run (kept on resume)."""
@@ -259,7 +291,9 @@ class RunLifecycle:
         if good:
             self.last_good = os.path.join(self.ckpt_root, f"step{self.step:08d}")
         try:
-            return save_checkpoint(self.ckpt_root, self.step, self.engines, self.trainer_state(), self.keep_last, keep=self.last_good)
+            return save_checkpoint(
+                self.ckpt_root, self.step, self.engines, self.trainer_state(), self.keep_last, keep=self.last_good
+            )
         except CheckpointWriteError as e:
             raise RunEnded(2, f"checkpoint error: {e}") from None
 
@@ -274,8 +308,11 @@ class RunLifecycle:
         if (periodic or stopping or good) and not last:
             path = self.save(good)
         if stopping:
-            raise RunEnded(0, f"stopped by {self.stop.signal_name or 'a signal on another rank'} after {self.unit} {self.step}: "
-                              f"checkpoint {path}; continue with the same command plus --resume")
+            raise RunEnded(
+                0,
+                f"stopped by {self.stop.signal_name or 'a signal on another rank'} after {self.unit} {self.step}: "
+                f"checkpoint {path}; continue with the same command plus --resume",
+            )
 
     def first_evaluation(self, reward: float) -> None:
         """The starting point's held-out reward: the first best, and with rollback on, the first
@@ -298,15 +335,21 @@ class RunLifecycle:
             raise RunEnded(3, f"training aborted: {e}") from None
         saved = self._restore(self.last_good, allow_config_change=False, rollback=True)
         new_scale = self.lr_scale * self.rollback_lr_factor
-        scale_learning_rate(self.lr_engine, new_scale / saved["lr_scale"])  # the checkpoint's schedule had its own scale
+        scale_learning_rate(
+            self.lr_engine, new_scale / saved["lr_scale"]
+        )  # the checkpoint's schedule had its own scale
         self.lr_scale = new_scale
         rewind_to(self.ckpt_root, self.last_good)
         for fn in self._after_restore:
             fn()
         self.logger.rewind(self.step)
-        self.event("rollback", f"held-out reward {reward:.4f} fell below the best {self.rollback.best:.4f}: rolled back to "
-                   f"{self.last_good}, LR scale {new_scale:g} (rollback {self.rollback.rollbacks} of {self.rollback.max_rollbacks})",
-                   step=at_step, to_step=self.step)
+        self.event(
+            "rollback",
+            f"held-out reward {reward:.4f} fell below the best {self.rollback.best:.4f}: rolled back to "
+            f"{self.last_good}, LR scale {new_scale:g} (rollback {self.rollback.rollbacks} of {self.rollback.max_rollbacks})",
+            step=at_step,
+            to_step=self.step,
+        )
         self.bar.reset(total=self.total_steps)
         self.bar.update(self.step)
         return True

@@ -24,8 +24,14 @@ VALUE_HEADS = ("score", "classifier")  # AutoModelForTokenClassification's head,
 
 def lora_config(section, causal_lm: bool) -> LoraConfig:
     """PEFT's config from a run config's ``lora`` section (engine/run_config.LoraSection)."""
-    return LoraConfig(r=section.rank, lora_alpha=section.alpha, lora_dropout=section.dropout, target_modules=list(section.target_modules),
-                      bias="none", task_type="CAUSAL_LM" if causal_lm else None)
+    return LoraConfig(
+        r=section.rank,
+        lora_alpha=section.alpha,
+        lora_dropout=section.dropout,
+        target_modules=list(section.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM" if causal_lm else None,
+    )
 
 
 def add_adapters(model: torch.nn.Module, section, causal_lm: bool) -> PeftModel:

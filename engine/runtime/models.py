@@ -11,7 +11,7 @@ at every token.
 from __future__ import annotations
 
 import importlib.util
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, PreTrainedModel
@@ -36,7 +36,10 @@ def attention_shares_prompts(attn_implementation: str, bf16: bool) -> bool:
 
 
 def load_causal_lm(
-    path: str, dtype: torch.dtype = torch.float32, attn_implementation: str = AUTO_ATTENTION, trust_remote_code: bool = False
+    path: str,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = AUTO_ATTENTION,
+    trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     """A causal LM from an HF checkpoint directory (or hub name); safetensors weights only."""
     return AutoModelForCausalLM.from_pretrained(
@@ -74,11 +77,19 @@ def trains_as_it_evaluates(model: torch.nn.Module) -> bool:
     """No dropout anywhere (modules, LoRA adapters, the config's attention dropout): a forward in
     train mode computes what one in eval mode does."""
     config = getattr(model, "config", None)
-    dropouts = [v for k, v in (config.to_dict() if config is not None else {}).items() if "dropout" in k and isinstance(v, (int, float))]
-    return not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()) and not any(v > 0 for v in dropouts)
+    dropouts = [
+        v
+        for k, v in (config.to_dict() if config is not None else {}).items()
+        if "dropout" in k and isinstance(v, (int, float))
+    ]
+    return not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()) and not any(
+        v > 0 for v in dropouts
+    )
 
 
-def meta_model(path: str, value_head: bool, components: Sequence[str] | None = None, trust_remote_code: bool = False) -> PreTrainedModel:
+def meta_model(
+    path: str, value_head: bool, components: Sequence[str] | None = None, trust_remote_code: bool = False
+) -> PreTrainedModel:
     """The model a script would load from ``path`` (causal LM, or value model with ``value_head``),
     built on the meta device: its shapes without its weights."""
     if value_head:

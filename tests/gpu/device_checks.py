@@ -51,22 +51,35 @@ def main(model_dir: str) -> int:
     gpu_vm.load_state_dict(cpu_vm.state_dict())
     gpu_vm.to(cuda)
     with torch.no_grad():
-        r_cpu, r_gpu = last_token(packed_forward(cpu_vm, packed), packed), last_token(packed_forward(gpu_vm, packed), packed)
+        r_cpu, r_gpu = (
+            last_token(packed_forward(cpu_vm, packed), packed),
+            last_token(packed_forward(gpu_vm, packed), packed),
+        )
         v_gpu = response_values(packed_forward(gpu_vm, packed), packed, prompt_lens, torch.ones(2))
-    check("rewards at the last token cuda == cpu", torch.allclose(r_cpu, r_gpu, atol=1e-4) and r_gpu.device.type == "cpu",
-          f"max gap {(r_cpu - r_gpu).abs().max().item():.2e}")
+    check(
+        "rewards at the last token cuda == cpu",
+        torch.allclose(r_cpu, r_gpu, atol=1e-4) and r_gpu.device.type == "cpu",
+        f"max gap {(r_cpu - r_gpu).abs().max().item():.2e}",
+    )
     check("values come back on the CPU", all(v.device.type == "cpu" for v in v_gpu))
 
     bf16_lm = load_causal_lm(model_dir, dtype=torch.bfloat16).to(cuda)
     lp16, _ = response_logprobs(bf16_lm, packed, prompt_lens)
     gap16 = max((g - w).abs().max().item() for g, w in zip(lp16, want))
-    check("bf16 log-probs near fp32", gap16 < 0.5, f"max gap {gap16:.3f} (attention: {bf16_lm.config._attn_implementation}, "
-          f"auto -> {resolve_attention('auto', torch.bfloat16)})")
+    check(
+        "bf16 log-probs near fp32",
+        gap16 < 0.5,
+        f"max gap {gap16:.3f} (attention: {bf16_lm.config._attn_implementation}, "
+        f"auto -> {resolve_attention('auto', torch.bfloat16)})",
+    )
 
     sampler = HFSampler(gpu_lm, pad_token_id=0, eos_token_id=3)
     out = sampler.generate([seqs[0][:10], seqs[1][:3]], SamplingSettings(n=2, max_new_tokens=8), request_seed=0)
-    check("HF generate on cuda", len(out) == 2 and all(len(s.response_ids) <= 8 for g in out for s in g),
-          f"{[len(s.response_ids) for g in out for s in g]} tokens")
+    check(
+        "HF generate on cuda",
+        len(out) == 2 and all(len(s.response_ids) <= 8 for g in out for s in g),
+        f"{[len(s.response_ids) for g in out for s in g]} tokens",
+    )
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
     torch.distributed.init_process_group("nccl", device_id=cuda)

@@ -32,7 +32,10 @@ SEQS, LEN, REPS = 64, 128, 5
 def torch_varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' attention interface over torch's varlen kernel (packed rows only)."""
     groups = getattr(module, "num_key_value_groups", 1)
-    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)))
+    q, k, v = (
+        x[0].transpose(0, 1).contiguous()
+        for x in (query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1))
+    )
     return torch_varlen(q, k, v, kwargs["cu_seq_lens_q"], scale=scaling)[None], None
 
 
@@ -73,17 +76,21 @@ def main(model_dir: str) -> None:
         try:
             s = step_seconds(model, lambda: (optim.step(), optim.zero_grad()))
             print(f"bare model, {name}: {s * 1e3:.1f} ms per step, {tokens / s:,.0f} tokens/s")
-        except Exception as e:  # noqa: BLE001 -- report and go on
+        except Exception as e:
             print(f"bare model, {name}: {type(e).__name__}: {e}")
     AttentionInterface.register(packing.VARLEN_SDPA, packing.varlen_sdpa_attention)  # ours for the engines
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29544")
     deepspeed.init_distributed("nccl")
     for cfg_name in ("zero2.json", "zero3.json"):
         ds = training_ds_config(json.load(open(os.path.join("ds_configs", cfg_name))), bf16=True)
-        engine = initialize_training_engine(load_causal_lm(model_dir, dtype=torch.float32), ds, 1e-5, (0.9, 0.95), 0.0, "constant", 0, 100)
+        engine = initialize_training_engine(
+            load_causal_lm(model_dir, dtype=torch.float32), ds, 1e-5, (0.9, 0.95), 0.0, "constant", 0, 100
+        )
         s = step_seconds(engine, engine.step)
-        print(f"DeepSpeed {cfg_name[:-5]}, sdpa_varlen: {s * 1e3:.1f} ms per step, {tokens / s:,.0f} tokens/s, "
-              f"peak allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+        print(
+            f"DeepSpeed {cfg_name[:-5]}, sdpa_varlen: {s * 1e3:.1f} ms per step, {tokens / s:,.0f} tokens/s, "
+            f"peak allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
+        )
 
 
 if __name__ == "__main__":

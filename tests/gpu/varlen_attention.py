@@ -25,12 +25,15 @@ HEADS, HEAD_DIM = 12, 64
 
 def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
     """(T, H, D) in and out, through the packed path's attention function."""
-    out, _ = varlen_sdpa_attention(SimpleNamespace(num_key_value_groups=1), *(x.transpose(0, 1)[None] for x in (q, k, v)),
-                                   None, cu_seq_lens_q=cu)
+    out, _ = varlen_sdpa_attention(
+        SimpleNamespace(num_key_value_groups=1), *(x.transpose(0, 1)[None] for x in (q, k, v)), None, cu_seq_lens_q=cu
+    )
     return out[0]
 
 
-def torch_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+def torch_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
     """Causal ``varlen_attn`` over (T, H, D) tensors (its causal argument differs between torch versions)."""
     from torch.nn.attention.varlen import varlen_attn
 
@@ -59,9 +62,12 @@ def main() -> int:
     q, k, v = (torch.randn(int(cu[-1]), HEADS, HEAD_DIM) for _ in range(3))
     want = ours(q, k, v, cu)  # fp32, CPU
     status = 0
-    print(f"torch {torch.__version__}, one packed row of {len(lens)} sequences, {int(cu[-1])} tokens, {HEADS} heads x {HEAD_DIM}")
+    print(
+        f"torch {torch.__version__}, one packed row of {len(lens)} sequences, {int(cu[-1])} tokens, {HEADS} heads x {HEAD_DIM}"
+    )
     try:
         from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+
         has_varlen = True
     except ImportError as e:
         has_varlen = False
@@ -74,9 +80,11 @@ def main() -> int:
             gap = (got - want).abs().max().item()
             ok = gap < 0.05  # bf16 against fp32
             status |= not ok
-            print(f"{'PASS' if ok else 'FAIL'} {name}: bf16 cuda vs fp32 cpu max gap {gap:.2e}; "
-                  f"fwd+bwd {seconds(fn, *gpu, cu) * 1e3:.2f} ms")
-        except Exception as e:  # noqa: BLE001 -- report every candidate, then fail
+            print(
+                f"{'PASS' if ok else 'FAIL'} {name}: bf16 cuda vs fp32 cpu max gap {gap:.2e}; "
+                f"fwd+bwd {seconds(fn, *gpu, cu) * 1e3:.2f} ms"
+            )
+        except Exception as e:
             status = 1
             print(f"FAIL {name}: {type(e).__name__}: {e}")
     return status

@@ -53,7 +53,9 @@ def main() -> None:
         engine.step()
         after = full_weights(engine)
         seen = [None] * world
-        torch.distributed.all_gather_object(seen, {"micro_steps": len(plan), "items": sorted(i for b in plan for i in b)})
+        torch.distributed.all_gather_object(
+            seen, {"micro_steps": len(plan), "items": sorted(i for b in plan for i in b)}
+        )
         if rank == 0:
             torch.save({"sequences": seqs, "before": before, "after": after}, os.path.join(args.out, f"case{k}.pt"))
             report.append({"ranks": seen})

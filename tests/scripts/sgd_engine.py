@@ -41,7 +41,9 @@ def sgd_engine(load_model, stage: int = 3):
     ds_config["zero_allow_untested_optimizer"] = True  # plain SGD: before - after == lr * gradient
     keep_alive = HfDeepSpeedConfig(ds_config) if stage == 3 else None  # ZeRO-3 partitions the weights as they load
     model = load_model()
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), config=ds_config)
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), config=ds_config
+    )
     return engine, keep_alive
 
 

@@ -35,7 +35,9 @@ from engine.runtime.models import load_causal_lm, load_value_model
 
 COMPONENTS = ["helpful", "harmless"]
 WEIGHTS = torch.tensor([1.0, 1.0])
-SETTINGS = PolicyLossSettings(clip_low=0.2, clip_high=0.2, clip_ratio_c=None, kl_loss_coef=0.1, kl_estimator="k3", entropy_coef=0.01)
+SETTINGS = PolicyLossSettings(
+    clip_low=0.2, clip_high=0.2, clip_ratio_c=None, kl_loss_coef=0.1, kl_estimator="k3", entropy_coef=0.01
+)
 MAX_TOKENS = 60  # a few prompt groups per micro-batch, some split
 
 
@@ -51,7 +53,9 @@ def rm_step(model_dir: str, examples, stage: int, rank: int, world: int, max_tok
         batch = [examples[i] for i in micro]
         r_c, r_r = score_pairs(engine, batch)
         _, margins, labels = collate_pairs(batch)
-        engine.backward(pair_losses(r_c, r_r, WEIGHTS, margins, labels).total.sum() * token_mean_scale(len(examples), world))
+        engine.backward(
+            pair_losses(r_c, r_r, WEIGHTS, margins, labels).total.sum() * token_mean_scale(len(examples), world)
+        )
     engine.step()
     after = full_weights(engine)
     del keep_alive
@@ -66,7 +70,9 @@ def rollout(vocab: int, rank: int) -> tuple[list[list[int]], list[int]]:
         p = int(torch.randint(2, 30, (1,), generator=g))
         prompt = torch.randint(4, vocab, (p,), generator=g).tolist()
         for _ in range(3):
-            sequences.append(prompt + torch.randint(4, vocab, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist())
+            sequences.append(
+                prompt + torch.randint(4, vocab, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+            )
             prompt_lens.append(p)
     return sequences, prompt_lens
 
@@ -76,10 +82,22 @@ def experience(sequences, prompt_lens, old_logprobs: list[torch.Tensor], rank: i
     R = [len(s) - p for s, p in zip(sequences, prompt_lens)]
     T, B = max(R), len(R)
     mask = pad_right([torch.ones(r, dtype=torch.bool) for r in R], T)
-    noise = lambda: torch.randn(B, T, generator=g) * mask  # noqa: E731
+    noise = lambda: torch.randn(B, T, generator=g) * mask
     old = pad_right(old_logprobs, T) + 0.05 * noise()  # near the policy: some ratios clip, most do not
-    return Experience(sequences, prompt_lens, mask, old, old + 0.1 * noise(), noise(), noise(), noise(), torch.zeros(B), torch.zeros(B, T),
-                      mask.float(), noise())
+    return Experience(
+        sequences,
+        prompt_lens,
+        mask,
+        old,
+        old + 0.1 * noise(),
+        noise(),
+        noise(),
+        noise(),
+        torch.zeros(B),
+        torch.zeros(B, T),
+        mask.float(),
+        noise(),
+    )
 
 
 def ppo_step(model_dir: str, stage: int, rank: int, share: bool, samples) -> dict:
@@ -98,7 +116,9 @@ def ppo_step(model_dir: str, stage: int, rank: int, share: bool, samples) -> dic
     actor_step(actor, exp, SETTINGS, MAX_TOKENS, 0, share_prompts=share)
     critic_step(critic, exp, torch.ones(1), 0.2, MAX_TOKENS, 0, share_prompts=share)
     after = {"actor": full_weights(actor), "critic": full_weights(critic)}
-    tokens = torch.tensor([float(sum(p.num_tokens for _, p in micro_batches(actor, sequences, prompt_lens, MAX_TOKENS, 0, share)))])
+    tokens = torch.tensor(
+        [float(sum(p.num_tokens for _, p in micro_batches(actor, sequences, prompt_lens, MAX_TOKENS, 0, share)))]
+    )
     all_reduce(tokens)
     all_reduce(gap, op=torch.distributed.ReduceOp.MAX)
     del keep_actor, keep_critic
@@ -112,18 +132,32 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def main() -> None:
     args, rank, world = launched_args("model", "pairs")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    plain, shared = (load_preferences(args.pairs, tokenizer, COMPONENTS, use_margin=False, share_prompt=s)[:24] for s in (False, True))
-    report = {"world": world, "tokens": {"plain": sum(e.num_tokens for e in plain), "shared": sum(e.num_tokens for e in shared)}}
+    plain, shared = (
+        load_preferences(args.pairs, tokenizer, COMPONENTS, use_margin=False, share_prompt=s)[:24]
+        for s in (False, True)
+    )
+    report = {
+        "world": world,
+        "tokens": {"plain": sum(e.num_tokens for e in plain), "shared": sum(e.num_tokens for e in shared)},
+    }
     samples = rollout(tokenizer.vocab_size, rank)
     for stage in (2, 3):
         # A budget of a few pairs: several micro-batches per rank, planned from each packing's own token counts.
-        (start, w_plain), (_, w_shared) = (rm_step(args.model, ex, stage, rank, world, max_tokens=400) for ex in (plain, shared))
+        (start, w_plain), (_, w_shared) = (
+            rm_step(args.model, ex, stage, rank, world, max_tokens=400) for ex in (plain, shared)
+        )
         report[f"zero{stage}"] = {"weight_diff": max_diff(w_plain, w_shared), "update": max_diff(w_plain, start)}
         whole, once = (ppo_step(args.model, stage, rank, share, samples) for share in (False, True))
         report[f"ppo_zero{stage}"] = {
-            "logprob_gap": once["gap"], "tokens": {"plain": whole["tokens"], "shared": once["tokens"]},
-            **{m: {"weight_diff": max_diff(whole["after"][m], once["after"][m]), "update": max_diff(whole["after"][m], whole["before"][m])}
-               for m in ("actor", "critic")},
+            "logprob_gap": once["gap"],
+            "tokens": {"plain": whole["tokens"], "shared": once["tokens"]},
+            **{
+                m: {
+                    "weight_diff": max_diff(whole["after"][m], once["after"][m]),
+                    "update": max_diff(whole["after"][m], whole["before"][m]),
+                }
+                for m in ("actor", "critic")
+            },
         }
     if rank == 0:
         print(json.dumps(report), flush=True)

@@ -16,9 +16,9 @@ import sys
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
-from vllm import LLM, SamplingParams  # noqa: E402
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from vllm import LLM, SamplingParams
 
 PROMPTS = ["Tell me about the garden in Alder.", "What do you think of the river in Cobton?", "Hello"]
 MAX_NEW_TOKENS = 12
@@ -30,7 +30,9 @@ def main(model_dir: str) -> None:
         tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, return_dict=False)
         for p in PROMPTS
     ]
-    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=64 << 20, seed=0)
+    llm = LLM(
+        model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=64 << 20, seed=0
+    )
     outputs = llm.generate(
         [{"prompt_token_ids": ids} for ids in prompt_ids],
         SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS),

@@ -39,7 +39,9 @@ def tokens(samples) -> list[list[int]]:
 def shard_rows(sampler: VLLMSampler) -> int:
     """Output rows of this rank's first fused qkv projection: the whole layer's, or a TP shard."""
     rows = sampler.llm.collective_rpc(
-        lambda worker: next(m.output_size_per_partition for n, m in worker.model_runner.model.named_modules() if n.endswith("qkv_proj"))
+        lambda worker: next(
+            m.output_size_per_partition for n, m in worker.model_runner.model.named_modules() if n.endswith("qkv_proj")
+        )
     )
     return rows[0]
 
@@ -53,17 +55,35 @@ def main() -> None:
     args = parser.parse_args()
     rank, world = init_distributed(timeout_s=300)
     tok = AutoTokenizer.from_pretrained(args.model)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False) for q in QUESTIONS]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False)
+        for q in QUESTIONS
+    ]
     with open(os.path.join(DS_CONFIGS_DIR, "tiny_cpu_zero3.json")) as f:
         ds_config = training_ds_config(json.load(f), bf16=False)
     actor, keep_alive = load_partitioned(lambda: load_causal_lm(args.model), ds_config)
     if args.lora_rank:
         actor = add_adapters(actor, LoraSection(rank=args.lora_rank), causal_lm=True)
-    engine = initialize_training_engine(actor, ds_config, lr=3e-2, betas=(0.9, 0.95), weight_decay=0.0,
-                                        lr_scheduler="constant_with_warmup", warmup_steps=0, total_steps=10)
+    engine = initialize_training_engine(
+        actor,
+        ds_config,
+        lr=3e-2,
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+        lr_scheduler="constant_with_warmup",
+        warmup_steps=0,
+        total_steps=10,
+    )
     torch.manual_seed(123)
-    vllm = VLLMSampler(args.model, seed=1000 + rank // args.tensor_parallel, dtype="float32", max_model_len=256, kv_cache_bytes=64 << 20,
-                       eos_token_id=tok.eos_token_id, tensor_parallel_size=args.tensor_parallel)
+    vllm = VLLMSampler(
+        args.model,
+        seed=1000 + rank // args.tensor_parallel,
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_bytes=64 << 20,
+        eos_token_id=tok.eos_token_id,
+        tensor_parallel_size=args.tensor_parallel,
+    )
     after_vllm = torch.rand(1)  # the trainer's stream, as if vLLM had never started
     torch.manual_seed(123)
     rng_preserved = torch.equal(after_vllm, torch.rand(1))
@@ -85,12 +105,25 @@ def main() -> None:
     start = time.perf_counter()
     vllm.generate(prompts, GREEDY, 0)
     generate_s = time.perf_counter() - start
-    print(json.dumps({
-        "rank": rank, "world": world, "before_equal": v0 == h0, "actor_changed": h1 != h0,
-        "stale_equal": v_stale == h1, "after_equal": v1 == h1, "rng_preserved": rng_preserved,
-        "reference_is_start": reference == h0, "reference_is_actor": reference == h1,
-        "sync_s": sync_s, "generate_s": generate_s, "shard_rows": shard_rows(vllm),
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "world": world,
+                "before_equal": v0 == h0,
+                "actor_changed": h1 != h0,
+                "stale_equal": v_stale == h1,
+                "after_equal": v1 == h1,
+                "rng_preserved": rng_preserved,
+                "reference_is_start": reference == h0,
+                "reference_is_actor": reference == h1,
+                "sync_s": sync_s,
+                "generate_s": generate_s,
+                "shard_rows": shard_rows(vllm),
+            }
+        ),
+        flush=True,
+    )
     vllm.close()
     del keep_alive
 
