@@ -1,4 +1,5 @@
-"""--dry-run of both scripts: the plan is printed, nothing is trained or written."""
+"""--dry-run of train_rm.py and train_ppo.py (train_sft.py's is in test_train_sft.py; all three scripts have one):
+the plan is printed, nothing is trained or written."""
 
 from __future__ import annotations
 

@@ -1,16 +1,20 @@
-"""The README works as written: every command of its shell blocks runs, in order, from the
-repository root of a fresh copy, in the environment `make setup` made; every config example
-dry-runs on the demo data those commands prepared.
+"""The README and the guides in docs/ work as written: every command of their shell blocks runs, in
+order, from the repository root of a fresh copy, in the environment `make setup` made; every
+config example dry-runs on the demo data those commands prepared, its values show in the plan,
+and the same example with a misspelled key is refused.
 
-The first block (`make setup`, `make demo`, `make test`) is CI itself (.ci/run runs setup and
-test) and the demo. Training commands run shortened (`--train.max_steps 2`, `--train.iterations 1`
-appended: the full runs are the demo and the end-to-end tests).
+The README's first block (`make setup`, `make demo`, `make test`) is CI itself (.ci/run runs setup
+and test) and the demo. The README's other blocks (the demo step by step) run first, then the
+pages of docs/ in DOCS_ORDER (later guides use the demo's data and models). Training commands run
+shortened (`--train.max_steps 2`, `--train.iterations 1` appended: the full runs are the demo and
+the end-to-end tests); the guides prefer `--dry-run` where a full run adds nothing.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,20 +28,40 @@ SHORTER = {
     "train/train_rm.py": "--train.max_steps 2",
     "train/train_ppo.py": "--train.iterations 1",
 }
-EXAMPLE_SCRIPTS = {"Supervised fine-tuning": "train/train_sft.py", "Training a reward model": "train/train_rm.py"}
+# The order the shell blocks of docs/ run in, after the README's: the order of docs/README.md's index.
+DOCS_ORDER = [
+    "README.md",
+    "data.md",
+    "configs.md",
+    "configuration.md",
+    "sft.md",
+    "reward-model.md",
+    "ppo.md",
+    "lora.md",
+    "multi-node.md",
+    "gpu.md",
+    "crash-safety.md",
+    "run-directory.md",
+    "benchmarks.md",
+    "design.md",
+]
+EXAMPLE_SCRIPTS = {"docs/sft.md": "train/train_sft.py", "docs/reward-model.md": "train/train_rm.py"}
 
 
-def fenced_blocks(language: str) -> list[tuple[str, str]]:
-    """(the section heading above it, text) of every ```language block of the README, in order."""
-    blocks, heading, fence, lines = [], "", None, []
-    for line in (REPO / "README.md").read_text().splitlines():
-        if fence is None and line.startswith("## "):
-            heading = line[3:].strip()
-        elif fence is None and line.startswith("```"):
+def pages() -> list[Path]:
+    """README.md, then the pages of docs/ in DOCS_ORDER."""
+    return [REPO / "README.md", *(REPO / "docs" / name for name in DOCS_ORDER)]
+
+
+def fenced_blocks(page: Path, language: str) -> list[str]:
+    """The text of every ```language block of a Markdown page, in order."""
+    blocks, fence, lines = [], None, []
+    for line in page.read_text().splitlines():
+        if fence is None and line.startswith("```"):
             fence, lines = line[3:].strip(), []
         elif fence is not None and line.strip() == "```":
             if fence == language:
-                blocks.append((heading, "\n".join(lines) + "\n"))
+                blocks.append("\n".join(lines) + "\n")
             fence = None
         elif fence is not None:
             lines.append(line)
@@ -52,6 +76,12 @@ def shell_commands(block: str) -> list[str]:
         if command:
             commands.append(" ".join([command, *(extra for script, extra in SHORTER.items() if script in command)]))
     return commands
+
+
+def test_docs_order_names_every_page_of_docs():
+    assert sorted(DOCS_ORDER) == sorted(p.name for p in (REPO / "docs").glob("*.md")), (
+        "add the new page of docs/ to DOCS_ORDER (and to docs/README.md's index), where its commands can run"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -86,22 +116,26 @@ def clone(tmp_path_factory) -> tuple[Path, dict[str, str]]:
 @pytest.fixture(scope="module")
 def ran_readme(clone):
     root, env = clone
-    blocks = fenced_blocks("bash")
-    assert blocks[0][1].startswith("make setup") and len(blocks) >= 5
+    readme_blocks = fenced_blocks(REPO / "README.md", "bash")
+    assert readme_blocks[0].startswith("make setup") and len(readme_blocks) >= 2
+    blocks = [("README.md", block) for block in readme_blocks[1:]]
+    blocks += [(f"docs/{page.name}", block) for page in pages()[1:] for block in fenced_blocks(page, "bash")]
     ran = []
-    for _, block in blocks[1:]:
+    for page, block in blocks:
         for command in shell_commands(block):
             result = subprocess.run(
                 ["bash", "-c", command], cwd=root, env=env, capture_output=True, text=True, timeout=600
             )
-            assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-            ran.append(command)
+            assert result.returncode == 0, f"{page}: {command}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+            ran.append((page, command))
     return root, env, ran
 
 
 def test_every_shell_command_runs_as_written(ran_readme):
     root, _, ran = ran_readme
-    assert any("train/train_ppo.py" in c and "--dry-run" not in c for c in ran)
+    assert any("train/train_ppo.py" in c and "--dry-run" not in c for page, c in ran if page == "README.md")
+    guides = {page for page, _ in ran if page != "README.md"}
+    assert {"docs/data.md", "docs/sft.md", "docs/reward-model.md", "docs/ppo.md", "docs/lora.md"} <= guides
     for made in (
         "runs/demo/sft/model/model.safetensors",
         "runs/demo/rm/model/reward_stats.json",
@@ -111,18 +145,48 @@ def test_every_shell_command_runs_as_written(ran_readme):
         assert (root / made).is_file(), made
 
 
-def test_every_config_example_runs_on_the_demo_data(ran_readme):
+def dry_run(root: Path, env: dict[str, str], script: str, config: dict) -> subprocess.CompletedProcess:
+    (root / "example.json").write_text(json.dumps(config))
+    return subprocess.run(
+        [sys.executable, script, "--config", "example.json", "--dry-run"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_every_config_example_dry_runs_with_its_values_and_refuses_a_misspelled_key(ran_readme):
     root, env, _ = ran_readme
-    examples = [(heading, json.loads(text)) for heading, text in fenced_blocks("json")]
-    assert {heading for heading, _ in examples} == set(EXAMPLE_SCRIPTS)
-    for heading, config in examples:
-        (root / "example.json").write_text(json.dumps(config))
-        result = subprocess.run(
-            [sys.executable, EXAMPLE_SCRIPTS[heading], "--config", "example.json", "--dry-run"],
-            cwd=root,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert result.returncode == 0 and "dry run of" in result.stdout, (heading, result.stderr[-3000:])
+    examples = [(page, json.loads(text)) for page in pages() for text in fenced_blocks(page, "json")]
+    assert sorted(str(page.relative_to(REPO)) for page, _ in examples) == sorted(EXAMPLE_SCRIPTS)
+    for page, config in examples:
+        script = EXAMPLE_SCRIPTS[str(page.relative_to(REPO))]
+        plan = dry_run(root, env, script, config)
+        assert plan.returncode == 0 and f"dry run of {Path(script).name}" in plan.stdout, (page, plan.stderr[-3000:])
+        # The plan states the example's own values: the step size, the token budget, the ZeRO stage of
+        # its DeepSpeed file, and as many steps as its epochs make.
+        train = config["train"]
+        per_step = next(key for key in train if key.endswith("_per_step"))
+        deepspeed = config["deepspeed"]
+        if isinstance(deepspeed, str):  # a file name, looked up in ds_configs/ as the loader does
+            deepspeed = json.loads((root / "ds_configs" / deepspeed).read_text())
+        stage = deepspeed["zero_optimization"]["stage"]
+        for stated in (
+            f"{train[per_step]} {per_step.removesuffix('_per_step')} per step",
+            f"(budget {train['max_tokens_per_micro_batch']} tokens, packed)",
+            f"ZeRO-{stage}, 1 rank(s)",
+        ):
+            assert stated in plan.stdout, (page, stated, plan.stdout)
+        steps = re.search(r"(\d+) steps per epoch, (\d+) steps", plan.stdout)
+        total = train.get("epochs", 1) * int(steps[1]) if steps else -1
+        assert steps and int(steps[2]) == min(total, train.get("max_steps") or total), (page, plan.stdout)
+        # The same example with a key misspelled (its last letter lost) is refused by name, before any model loads.
+        key = next(iter(train))
+        typo = key[:-1]
+        misspelled = {**config, "train": {typo if k == key else k: v for k, v in train.items()}}
+        refused = dry_run(root, env, script, misspelled)
+        said = refused.stdout + refused.stderr
+        assert refused.returncode == 2, (page, typo, said[-3000:])
+        assert f"unknown key 'train.{typo}'" in said and f"did you mean '{key}'" in said, (page, said[-3000:])
