@@ -11,9 +11,12 @@ import sys
 import pytest
 from helpers import REPO
 
+SCRIPTS = ["train_sft.py", "train_rm.py", "train_ppo.py"]
 
-@pytest.mark.parametrize("script", ["train_rm.py", "train_ppo.py"])
+
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_cpu_threads_is_the_first_import(script):
+    assert sorted(p.name for p in (REPO / "train").glob("train_*.py")) == sorted(SCRIPTS)  # every launched script
     tree = ast.parse((REPO / "train" / script).read_text())
     imports = [
         n

@@ -1,15 +1,21 @@
-"""Every shipped DeepSpeed config builds a real engine that trains the tiny model (gloo, CPU)."""
+"""Every shipped DeepSpeed config holds what it is documented to be and builds a real engine, as the
+train scripts build it, that trains the tiny model with its settings in effect (gloo, CPU); the demo
+run configs chain SFT -> RM -> PPO."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import launcher_cmd
+import torch
+from helpers import assert_repeats, assert_same_weights, launcher_cmd
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "scripts" / "ds_config_steps.py"
@@ -17,59 +23,161 @@ SCRIPT = REPO / "tests" / "scripts" / "ds_config_steps.py"
 CONFIGS = sorted(
     p.name for p in (REPO / "ds_configs").glob("*.json") if "zero_optimization" in json.loads(p.read_text())
 )
+# What the README's ds_configs/ row documents: name -> (ZeRO stage, weights dtype, what is offloaded to the CPU).
+DOCUMENTED = {
+    "zero2.json": (2, "bfloat16", ()),
+    "zero3.json": (3, "bfloat16", ()),
+    "zero3_offload.json": (3, "bfloat16", ("optimizer", "parameters")),
+    "tiny_cpu_zero2.json": (2, "float32", ()),
+    "tiny_cpu_zero3.json": (3, "float32", ()),
+}
+REFERENCE = "tiny_cpu_zero2.json"  # the fp32 run every config's loss curve is compared with
+# Two ranks against one: AdamW divides each gradient by its own magnitude, so where a gradient is ~0 the
+# order of the ranks' sum (float rounding) moves a weight by up to 3e-6 (over assert_same_weights' 1e-6),
+# but each tensor stays within 1e-6 of its norm; without the gradient all-reduce it is off by 1e-3 to 0.1.
+TWO_RANK_WEIGHTS_REL = 1e-4
+BF16_LOSS_ABS = 0.01  # bf16 weights follow the fp32 curve to ~3e-3 here; one step moves the loss by 0.4-0.6
 
 
-def run_steps(cmd: list[str]) -> dict:
+def in_effect(stage: int, dtype: str, offloads: tuple[str, ...]) -> str:
+    """``describe_engine``'s line for these settings."""
+    return f"ZeRO-{stage}, {dtype} weights, offload: {' + '.join(offloads) or 'none'}, gradient checkpointing off"
+
+
+def run_steps(cmd: list[str]) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    (line,) = [l for l in result.stdout.splitlines() if l.startswith("{")]
-    return json.loads(line)
+    return [json.loads(ln) for ln in result.stdout.splitlines() if ln.startswith("{")]
 
 
 @pytest.fixture(scope="module")
-def one_rank(tiny_model_dir) -> dict[str, dict]:
-    return {name: run_steps([sys.executable, str(SCRIPT), str(tiny_model_dir), name]) for name in CONFIGS}
+def one_rank(tiny_model_dir, tmp_path_factory) -> dict[str, dict]:
+    """Every config, one after another in one process (one start-up); ``weights``: the trained weights."""
+    out = tmp_path_factory.mktemp("ds_configs_one_rank")
+    results = run_steps([sys.executable, str(SCRIPT), str(tiny_model_dir), *CONFIGS, "--save-weights", str(out)])
+    assert [r["config"] for r in results] == CONFIGS
+    return {r["config"]: {**r, "weights": out / f"{r['config']}.pt"} for r in results}
 
 
 def test_shipped_configs_cover_the_documented_set():
-    assert {"zero2.json", "zero3.json", "zero3_offload.json", "tiny_cpu_zero2.json", "tiny_cpu_zero3.json"} <= set(
-        CONFIGS
-    )
+    """The README documents exactly the shipped DeepSpeed configs, and each holds the ZeRO stage, dtype
+    and offloads it is documented with, in the keys the engine reads; the keys the scripts own (batch,
+    optimizer, schedule, fp16) are left to them."""
+    from engine.run_config import resolve_deepspeed_dtype
+
+    rows = [ln for ln in (REPO / "README.md").read_text().splitlines() if ln.startswith("| `ds_configs/`")]
+    assert len(rows) == 1, "README: no row for ds_configs/ in the layout table"
+    assert set(re.findall(r"`(\w+\.json)`", rows[0])) == set(DOCUMENTED) == set(CONFIGS), rows[0]
+    for name, (stage, dtype, offloads) in DOCUMENTED.items():
+        cfg = json.loads((REPO / "ds_configs" / name).read_text())
+        zero = cfg["zero_optimization"]
+        assert zero["stage"] == stage, name
+        # (resolve_deepspeed_dtype refuses the keys the scripts own)
+        assert resolve_deepspeed_dtype(cfg, None, "model.bf16") is (dtype == "bfloat16"), name
+        assert (cfg.get("bf16") or {}).get("enabled", False) is (dtype == "bfloat16"), name
+        assert not (cfg.get("fp16") or {}).get("enabled", False), name
+        for key, what in (("offload_optimizer", "optimizer"), ("offload_param", "parameters")):
+            assert (zero.get(key) or {}).get("device", "none") == ("cpu" if what in offloads else "none"), (name, key)
+        if "optimizer" in offloads:  # else DeepSpeed refuses our torch AdamW next to an offloaded optimizer
+            assert cfg.get("zero_force_ds_cpu_optimizer") is False, name
+        if name.startswith("tiny_cpu") and stage == 3:  # partition the tiny model's parameters (< 1e5 elements) too
+            assert zero["stage3_param_persistence_threshold"] == 0, name
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_config_trains(one_rank, name):
-    result = one_rank[name]
-    expected_stage = json.loads((REPO / "ds_configs" / name).read_text())["zero_optimization"]["stage"]
-    assert result["stage"] == expected_stage and result["world"] == 1
-    assert result["losses"][-1] < result["losses"][0]
+    """What the config asks for is in effect in the engine (read from the engine), and the loss falls at
+    every step along the fp32 reference's curve (to float rounding in fp32, to bf16 rounding in bf16)."""
+    result, reference = one_rank[name], one_rank[REFERENCE]["losses"]
+    cfg = json.loads((REPO / "ds_configs" / name).read_text())
+    zero, bf16 = cfg["zero_optimization"], (cfg.get("bf16") or {}).get("enabled", False)
+    offloads = tuple(
+        what
+        for key, what in (("offload_optimizer", "optimizer"), ("offload_param", "parameters"))
+        if (zero.get(key) or {}).get("device", "none") != "none"
+    )
+    assert result["world"] == 1
+    assert result["in_effect"] == in_effect(zero["stage"], "bfloat16" if bf16 else "float32", offloads)
+    losses = result["losses"]
+    assert len(losses) == 3 and all(later < earlier - 0.1 for earlier, later in itertools.pairwise(losses)), losses
+    if bf16:
+        assert losses == pytest.approx(reference, abs=BF16_LOSS_ABS)
+    else:
+        assert_repeats(dict(enumerate(losses)), dict(enumerate(reference)))
 
 
 def test_fp32_zero2_and_zero3_agree(one_rank):
-    a, b = one_rank["tiny_cpu_zero2.json"]["losses"], one_rank["tiny_cpu_zero3.json"]["losses"]
-    assert a == pytest.approx(b, abs=1e-5)
+    a, b = one_rank["tiny_cpu_zero2.json"], one_rank["tiny_cpu_zero3.json"]
+    assert a["losses"] == pytest.approx(b["losses"], abs=1e-5)
+    assert_same_weights(torch.load(a["weights"]), torch.load(b["weights"]))
 
 
-def test_two_ranks_under_the_deepspeed_launcher(one_rank, tiny_model_dir):
-    result = run_steps([*launcher_cmd(2), str(SCRIPT), str(tiny_model_dir), "tiny_cpu_zero3.json"])
-    assert result["world"] == 2
-    single = one_rank["tiny_cpu_zero3.json"]["losses"]
-    # Same weights and rank 0's batch -> same first loss; then the averaged gradient differs.
-    assert result["losses"][0] == pytest.approx(single[0], abs=1e-6)
-    assert result["losses"][1] != pytest.approx(single[1], abs=1e-6)
+def test_two_ranks_under_the_deepspeed_launcher(one_rank, tiny_model_dir, tmp_path):
+    """Two ranks, each on its half of the global batch, take the steps one rank takes on all of it:
+    the same mean loss at every step and the same weights at the end. Without the gradient's
+    all-reduce each rank's partition would follow its own half's gradient."""
+    cmd = [*launcher_cmd(2), str(SCRIPT), str(tiny_model_dir), "tiny_cpu_zero3.json", "--save-weights", str(tmp_path)]
+    (result,) = run_steps(cmd)
+    single = one_rank["tiny_cpu_zero3.json"]
+    assert result["world"] == 2 and result["in_effect"] == single["in_effect"]
+    rank0, rank1 = result["rank_losses"]
+    assert rank0[0] != pytest.approx(rank1[0], abs=1e-4)  # different data on each rank
+    assert_repeats(dict(enumerate(result["losses"])), dict(enumerate(single["losses"])), what="mean loss over ranks")
+    two, one = torch.load(tmp_path / "tiny_cpu_zero3.json.pt"), torch.load(single["weights"])
+    assert two.keys() == one.keys()
+    gaps = {k: ((two[k] - one[k]).norm() / one[k].norm()).item() for k in one}
+    assert max(gaps.values()) < TWO_RANK_WEIGHTS_REL, gaps
 
 
-@pytest.mark.parametrize(
-    "name, schema",
-    [("demo_sft.json", "SFTConfig"), ("demo_rm.json", "RewardModelConfig"), ("demo_ppo.json", "PPOConfig")],
-)
-def test_demo_run_configs_load(name, schema):
-    from engine import run_config
-    from engine.config import load_config
+def demo_commands() -> dict[str, list[str]]:
+    """Script -> the arguments data_prep/run_demo.sh runs it with (its output folder ``runs/demo``)."""
+    text = (REPO / "data_prep" / "run_demo.sh").read_text().replace("\\\n", " ").replace("$out", "runs/demo")
+    commands = {}
+    for line in text.splitlines():
+        if m := re.match(r"deepspeed --num_gpus 1 train/(train_\w+)\.py (.*)", line.strip()):
+            commands[m[1]] = shlex.split(m[2])
+    return commands
 
-    cfg = load_config(getattr(run_config, schema), str(REPO / "ds_configs" / name))
-    assert cfg.deepspeed["zero_optimization"]["stage"] == 3
+
+def test_demo_run_configs_load():
+    """The demo's run configs load into their classes and chain as `make demo` runs them: SFT from the
+    tiny base model, the RM from SFT's exported model, PPO's actor from SFT's and its reward model from
+    the RM's; data from the folder the data preparation writes, tokenized with the base model's
+    tokenizer; fp32 ZeRO-3 for all three; the PPO settings the demo's README figures come from."""
+    from engine.config import config_to_dict, load_config
+    from engine.run_config import SCRIPT_CONFIGS
+
+    demo = demo_commands()
+    assert sorted(demo) == sorted(SCRIPT_CONFIGS)
+    cfgs = {}
+    for script, args in demo.items():
+        assert args[:2] == ["--config", f"ds_configs/demo_{script.removeprefix('train_')}.json"], args
+        overrides = [a for a in args[2:] if a not in ("--overwrite", "--resume")]
+        cfgs[script] = load_config(SCRIPT_CONFIGS[script], str(REPO / args[1]))
+        # run_demo.sh only repeats the configs' own paths (for out = runs/demo)
+        with_overrides = load_config(SCRIPT_CONFIGS[script], str(REPO / args[1]), overrides)
+        assert config_to_dict(with_overrides) == config_to_dict(cfgs[script]), script
+    sft, rm, ppo = cfgs["train_sft"], cfgs["train_rm"], cfgs["train_ppo"]
+    exported = lambda cfg: f"{cfg.logging.output_dir}/model"  # where the scripts save the HF model
+    tokenizers = set(re.findall(r"--tokenizer \"\$out/([\w-]+)\"", (REPO / "data_prep" / "run_demo.sh").read_text()))
+    assert {f"runs/demo/{t}" for t in tokenizers} == {sft.model.path} == {"runs/demo/tiny-base"}
+    assert rm.model.path == exported(sft) and ppo.actor.path == exported(sft)
+    assert ppo.reward_model.path == exported(rm) and ppo.critic.init_from == "reward_model"
+    assert len({sft.logging.output_dir, rm.logging.output_dir, ppo.logging.output_dir}) == 3
+    data = {
+        "runs/demo/data/" + name
+        for name in ("sft_train", "sft_validation", "train", "validation", "prompts_train", "prompts_validation")
+    }
+    paths = [sft.data.train, sft.data.validation, rm.data.train, rm.data.validation, ppo.data.prompts]
+    assert {p.removesuffix(".parquet") for p in [*paths, ppo.data.eval_prompts]} == data
+    for cfg, model in ((sft, sft.model), (rm, rm.model), (ppo, ppo.actor)):
+        assert cfg.deepspeed["zero_optimization"]["stage"] == 3 and model.bf16 is False
+    assert sft.deepspeed == rm.deepspeed == ppo.deepspeed
+    assert set(rm.rm.components) == {"helpful", "harmless"}  # the synthetic task's reward components
+    rollout = ppo.rollout.prompts_per_iteration * ppo.rollout.samples_per_prompt
+    assert (ppo.rollout.sampler, rollout // ppo.ppo.mini_batch_size) == ("vllm", 2)
+    assert (ppo.train.iterations, ppo.train.eval_every) == (30, 10)
 
 
 def test_ppo_gpu_options_are_checked(tmp_path):

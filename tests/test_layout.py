@@ -21,19 +21,34 @@ LAYERS = [
 ]
 
 
-def module_name(path: Path) -> str:
-    return ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+def module_name(path: Path, root: Path = REPO) -> str:
+    return ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
 
 
-def engine_imports(path: Path) -> set[str]:
-    """Every engine module ``path`` imports (at any depth of the file, type-checking imports included)."""
+def is_module(name: str, root: Path = REPO) -> bool:
+    """``name`` is a module or package in the tree under ``root``."""
+    where = root.joinpath(*name.split("."))
+    return where.with_suffix(".py").is_file() or (where / "__init__.py").is_file()
+
+
+def engine_imports(path: Path, root: Path = REPO) -> set[str]:
+    """Every engine module ``path`` imports (at any depth of the file, type-checking imports included).
+
+    ``from X import name`` imports the module ``X.name`` when there is one (``from engine.runtime import
+    faults``), else ``X`` (``from engine.runtime.faults import nan_loss_at``); relative imports count too."""
+    me = module_name(path, root)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("engine"):
-            found |= {f"{node.module}.{a.name}" if node.module == "engine" else node.module for a in node.names}
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's package, one level up per dot after the first
+                anchor = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                base = f"{anchor}.{base}" if base else anchor
+            found |= {f"{base}.{a.name}" if is_module(f"{base}.{a.name}", root) else base for a in node.names}
         elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("engine")}
-    return found
+            found |= {a.name for a in node.names}
+    return {name for name in found if name == "engine" or name.startswith("engine.")}
 
 
 def layer_of(module: str) -> int:
@@ -49,8 +64,28 @@ def package_of(module: str) -> str:
     return parts[0] if parts[0] == "train" or (REPO / "engine" / f"{parts[1]}.py").exists() else ".".join(parts[:2])
 
 
-def sources() -> list[Path]:
-    return sorted([*(REPO / "engine").rglob("*.py"), *(REPO / "train").glob("*.py")])
+def sources(root: Path = REPO) -> list[Path]:
+    return sorted([*(root / "engine").rglob("*.py"), *(root / "train").glob("*.py")])
+
+
+def import_cycle(root: Path = REPO) -> list[str] | None:
+    """The first import cycle among the modules under ``root`` (``[a, b, ..., a]``), else None."""
+    graph = {module_name(p, root): engine_imports(p, root) for p in sources(root)}
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+
+    def visit(node: str, trail: list[str]) -> list[str] | None:
+        if state.get(node) == 1:
+            return trail[trail.index(node) :] + [node]
+        if state.get(node) == 2 or node not in graph:
+            return None
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if cycle := visit(nxt, trail + [node]):
+                return cycle
+        state[node] = 2
+        return None
+
+    return next((cycle for node in sorted(graph) if (cycle := visit(node, []))), None)
 
 
 def test_every_import_goes_down_or_sideways_within_a_package():
@@ -66,21 +101,33 @@ def test_every_import_goes_down_or_sideways_within_a_package():
 
 
 def test_engine_modules_import_no_cycle():
-    graph = {module_name(p): {t for t in engine_imports(p)} for p in sources()}
-    state: dict[str, int] = {}  # 1 visiting, 2 done
+    cycle = import_cycle()
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
-    def visit(node: str, trail: list[str]) -> None:
-        if state.get(node) == 1:
-            raise AssertionError("import cycle: " + " -> ".join(trail[trail.index(node) :] + [node]))
-        if state.get(node) == 2 or node not in graph:
-            return
-        state[node] = 1
-        for nxt in sorted(graph[node]):
-            visit(nxt, trail + [node])
-        state[node] = 2
 
-    for node in sorted(graph):
-        visit(node, [])
+def test_imports_of_modules_from_a_package_are_followed(tmp_path):
+    """``from engine.pkg import mod`` is an import of the module engine.pkg.mod, so a cycle through it is found;
+    ``from engine.pkg.mod import name`` of engine.pkg.mod; ``from . import mod`` too."""
+    files = {
+        "engine/__init__.py": "",
+        "engine/pkg/__init__.py": "",
+        "engine/pkg/mod.py": "from engine.other import helper\n",
+        "engine/pkg/sibling.py": "from . import mod\nfrom .mod import thing\n",
+        "engine/other.py": "def helper():\n    from engine.pkg import mod, missing\n",
+        "train/train_x.py": "from engine.pkg.mod import helper\nimport engine.other\nfrom engine import other\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    imports = lambda name: engine_imports(tmp_path / name, tmp_path)
+    assert imports("engine/other.py") == {"engine.pkg.mod", "engine.pkg"}  # `missing` is no module: the package
+    assert imports("engine/pkg/sibling.py") == {"engine.pkg.mod"}
+    assert imports("train/train_x.py") == {"engine.pkg.mod", "engine.other"}
+    assert import_cycle(tmp_path) == ["engine.other", "engine.pkg.mod", "engine.other"]
+    (tmp_path / "engine/other.py").write_text("from engine.pkg.mod import helper\n")  # the other way round
+    assert import_cycle(tmp_path) == ["engine.other", "engine.pkg.mod", "engine.other"]
+    (tmp_path / "engine/pkg/mod.py").write_text("")
+    assert import_cycle(tmp_path) is None
 
 
 MAX_MAIN_STATEMENTS = 80  # train_ppo.py's main() today; a recipe grows by calling engine/ pieces, not by inlining them
