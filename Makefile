@@ -1,4 +1,4 @@
-# One command per job (see README): `make setup`, `make demo`, `make test`.
+# One command per job (see README): `make setup`, `make demo`, `make test` (`make lint` first).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 DEVICE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 DEMO_DIR ?= runs/demo
 
-.PHONY: setup demo test
+.PHONY: setup demo lint test
 
 setup:
 	$(PYTHON) -m venv $(VENV)
@@ -24,5 +24,11 @@ endif
 demo:
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash data_prep/run_demo.sh $(DEMO_DIR)
 
-test:
-	$(PY) -m pytest tests
+# ruff (rules and format in pyproject.toml) and mypy ([tool.mypy] there: engine/)
+lint:
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+
+test: lint
+	$(PY) -m pytest tests --durations=15

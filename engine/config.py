@@ -130,7 +130,7 @@ def _set_dotted(cls: type, data: dict[str, Any], key: str, value: Any) -> None:
             node[part] = value
             return
         field_type = typing.get_type_hints(node_cls)[part]
-        if not dataclasses.is_dataclass(field_type):
+        if not (isinstance(field_type, type) and dataclasses.is_dataclass(field_type)):
             raise ConfigError(f"command line: '--{key}': '{part}' is not a section")
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
@@ -167,7 +167,7 @@ def _build(cls: type, data: Any, prefix: str, base_dir: str) -> Any:
 
 def _convert(tp: Any, value: Any, key: str, base_dir: str) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _build(tp, value, key + ".", base_dir)
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:

@@ -2,9 +2,9 @@
 
     python -m engine.run_config [--out ds_configs/schema]
 
-writes it as JSON Schema files (``train_sft.schema.json``, ``train_rm.schema.json``, ``train_ppo.schema.json``) for editors:
-a config that starts with ``"$schema": "schema/train_rm.schema.json"`` is validated and completed
-as it is typed.
+writes it as JSON Schema files (``train_sft.schema.json``, ``train_rm.schema.json``,
+``train_ppo.schema.json``) for editors: a config that starts with
+``"$schema": "schema/train_rm.schema.json"`` is validated and completed as it is typed.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ class ModelSection:
     path: str = required("HF checkpoint directory (or hub name) of the base model")
     attn_implementation: Literal["auto", "sdpa_varlen", "flash_attention_2", "sdpa", "eager"] = option(
         "auto",
-        "attention: auto (flash_attention_2 on a GPU with flash-attn and bf16, else sdpa_varlen), sdpa_varlen, flash_attention_2, sdpa, eager",
+        "attention: auto (flash_attention_2 on a GPU with flash-attn and bf16, else sdpa_varlen), sdpa_varlen, "
+        "flash_attention_2, sdpa, eager",
     )
     bf16: bool | None = option(
         None, "train in bf16 (None: as the DeepSpeed config's bf16.enabled says; its bf16 section is set to match)"
@@ -72,7 +73,8 @@ class LoraSection:
     dropout: float = option(0.0, "dropout on the adapter's input in training", ge=0, lt=1)
     target_modules: list[str] = option(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        "names of the linear layers that get adapters (the last part of the module name; Llama/Qwen/Mistral names by default)",
+        "names of the linear layers that get adapters "
+        "(the last part of the module name; Llama/Qwen/Mistral names by default)",
     )
 
     def __post_init__(self):
@@ -244,7 +246,8 @@ class RolloutSection:
     vllm_max_model_len: int = option(1024, "vLLM context length (prompt + response)", ge=2)
     vllm_gpu_memory_utilization: float = option(
         0.4,
-        "GPU: share of the GPU's memory vLLM takes (weights + KV cache); it must be free when vLLM starts, after the engines",
+        "GPU: share of the GPU's memory vLLM takes (weights + KV cache); "
+        "it must be free when vLLM starts, after the engines",
         gt=0,
         lt=1,
     )
@@ -253,19 +256,21 @@ class RolloutSection:
     )
     tensor_parallel_size: int = option(
         1,
-        "ranks that share one vLLM engine, each holding a shard (groups of consecutive ranks; must divide the world size)",
+        "ranks that share one vLLM engine, each holding a shard "
+        "(groups of consecutive ranks; must divide the world size)",
         ge=1,
     )
 
     def __post_init__(self):
         if self.tensor_parallel_size > 1 and self.sampler != "vllm":
             raise ConfigError(
-                f"'tensor_parallel_size' {self.tensor_parallel_size} needs sampler vllm (HF generate runs on the actor engine)"
+                f"'tensor_parallel_size' {self.tensor_parallel_size} needs sampler vllm "
+                "(HF generate runs on the actor engine)"
             )
         if self.sampler == "vllm" and self.max_new_tokens >= self.vllm_max_model_len:
             raise ConfigError(
-                f"'max_new_tokens' ({self.max_new_tokens}) must be below vllm_max_model_len ({self.vllm_max_model_len}), "
-                "which also holds the prompt"
+                f"'max_new_tokens' ({self.max_new_tokens}) must be below vllm_max_model_len "
+                f"({self.vllm_max_model_len}), which also holds the prompt"
             )
 
 
@@ -287,7 +292,8 @@ class PPOSection:
     kl_coef: float = option(0.05, "KL coefficient (initial value when adaptive)", ge=0)
     kl_target: float | None = option(
         None,
-        "adaptive KL controller target, in KL per response token like guards.kl_ceiling (e.g. 0.05; None: fixed kl_coef)",
+        "adaptive KL controller target, in KL per response token like guards.kl_ceiling "
+        "(e.g. 0.05; None: fixed kl_coef)",
         gt=0,
     )
     kl_horizon: int = option(10000, "adaptive KL controller horizon, in samples", ge=1)
@@ -298,25 +304,27 @@ class PPOSection:
     entropy_coef: float = option(0.0, "entropy bonus in the actor loss", ge=0)
     advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = option(
         "gae",
-        "gae (with a critic); critic-free, no critic engine: grpo (group mean/std), rloo (leave-one-out), reinforce_pp (global baseline)",
+        "gae (with a critic); critic-free, no critic engine: grpo (group mean/std), rloo (leave-one-out), "
+        "reinforce_pp (global baseline)",
     )
     whiten_advantages: bool = option(True, "standardise GAE advantages over the rollout batch (all ranks)")
     old_logprobs_from: Literal["actor", "sampler"] = option(
         "actor",
         "PPO's old log-probs: the actor's experience forward, or the sampler's own (fp32 only; one forward fewer per "
-        "iteration; checked against the actor every sampler_check_every iterations, back to the actor for good when the gap is "
-        "above sampler_logprob_tolerance)",
+        "iteration; checked against the actor every sampler_check_every iterations, back to the actor for good when "
+        "the gap is above sampler_logprob_tolerance)",
     )
     old_values_from: Literal["update", "experience"] = option(
         "update",
-        "the critic's values at sampling time (GAE's baseline): update: the first critic step's own forward, on the same "
-        "weights (exact; one forward fewer per iteration), used where it is the same: the rollout is one mini-batch (mini_batch_size = "
-        "prompts_per_iteration x samples_per_prompt) and the critic has no dropout; experience: always an experience forward",
+        "the critic's values at sampling time (GAE's baseline): update: the first critic step's own forward, on the "
+        "same weights (exact; one forward fewer per iteration), used where it is the same: the rollout is one "
+        "mini-batch (mini_batch_size = prompts_per_iteration x samples_per_prompt) and the critic has no dropout; "
+        "experience: always an experience forward",
     )
     share_prompt: bool = option(
         True,
-        "compute a prompt once for all its samples (samples_per_prompt) in the experience and training forwards (exact; "
-        "used with attention sdpa_varlen, the default on CPUs and on GPUs without flash-attn)",
+        "compute a prompt once for all its samples (samples_per_prompt) in the experience and training forwards "
+        "(exact; used with attention sdpa_varlen, the default on CPUs and on GPUs without flash-attn)",
     )
     tis_cap: float | None = option(
         None,
@@ -396,11 +404,13 @@ class PPOConfig:
         estimator = self.ppo.advantage_estimator
         if estimator in ("grpo", "rloo") and self.rollout.samples_per_prompt < 2:
             raise ConfigError(
-                f"ppo.advantage_estimator {estimator} compares the samples of a prompt: set rollout.samples_per_prompt >= 2"
+                f"ppo.advantage_estimator {estimator} compares the samples of a prompt: "
+                "set rollout.samples_per_prompt >= 2"
             )
         if estimator != "gae" and self.critic.warmup_iterations:
             raise ConfigError(
-                f"critic.warmup_iterations needs a critic, and ppo.advantage_estimator {estimator} has none: set it to 0"
+                f"critic.warmup_iterations needs a critic, and ppo.advantage_estimator {estimator} has none: "
+                "set it to 0"
             )
         if self.ppo.tis_cap is not None and self.ppo.old_logprobs_from == "sampler":
             raise ConfigError(
@@ -424,9 +434,9 @@ class PPOConfig:
             )
         if rollout % self.ppo.mini_batch_size or self.ppo.mini_batch_size % world:
             raise ConfigError(
-                f"ppo.mini_batch_size ({self.ppo.mini_batch_size}) must divide the rollout batch, rollout.prompts_per_iteration x "
-                f"rollout.samples_per_prompt ({self.rollout.prompts_per_iteration} x {self.rollout.samples_per_prompt} = {rollout}), "
-                f"and be divisible by {world} ranks"
+                f"ppo.mini_batch_size ({self.ppo.mini_batch_size}) must divide the rollout batch, "
+                f"rollout.prompts_per_iteration x rollout.samples_per_prompt ({self.rollout.prompts_per_iteration} x "
+                f"{self.rollout.samples_per_prompt} = {rollout}), and be divisible by {world} ranks"
             )
 
 

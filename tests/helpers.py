@@ -220,7 +220,8 @@ REPEAT_REL, REPEAT_ABS = 1e-5, 1e-6
 def assert_repeats(
     repeated: dict[int, float], original: dict[int, float], steps: range | None = None, what: str = ""
 ) -> None:
-    """Metric series ``repeated`` equals ``original`` at ``steps`` (all of the original's when None), to float rounding."""
+    """Metric series ``repeated`` equals ``original`` at ``steps`` (all of the original's when None),
+    to float rounding."""
     steps = sorted(original) if steps is None else steps
     assert [repeated.get(s) for s in steps] == pytest.approx(
         [original[s] for s in steps], rel=REPEAT_REL, abs=REPEAT_ABS
@@ -230,8 +231,8 @@ def assert_repeats(
 def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     """Two state dicts hold the same tensors, to float rounding (see :data:`REPEAT_REL`)."""
     assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=REPEAT_REL, atol=REPEAT_ABS, msg=k)
+    for k, v in a.items():
+        torch.testing.assert_close(v, b[k], rtol=REPEAT_REL, atol=REPEAT_ABS, msg=k)
 
 
 def start_launched(script: str, config: Path, *extra: str) -> subprocess.Popen:

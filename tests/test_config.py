@@ -23,7 +23,8 @@ class PPOSection:
     def __post_init__(self):
         if self.rollout_batch_size % self.mini_batch_size:
             raise ConfigError(
-                f"rollout_batch_size ({self.rollout_batch_size}) must be a multiple of mini_batch_size ({self.mini_batch_size})"
+                f"rollout_batch_size ({self.rollout_batch_size}) "
+                f"must be a multiple of mini_batch_size ({self.mini_batch_size})"
             )
 
 
@@ -151,7 +152,7 @@ def test_deepspeed_inline_or_path(tmp_path):
     assert local.deepspeed == {"zero_optimization": {"stage": 1}}
     shipped = load_config(RunConfig, write(tmp_path, {"deepspeed": "zero3.json"}))  # from ds_configs/
     assert shipped.deepspeed["zero_optimization"]["stage"] == 3
-    with pytest.raises(ConfigError, match="'deepspeed': no file 'nope.json'"):
+    with pytest.raises(ConfigError, match=re.escape("'deepspeed': no file 'nope.json'")):
         load_config(RunConfig, write(tmp_path, {"deepspeed": "nope.json"}))
     via_cli = load_config(RunConfig, write(tmp_path, {}), ["--deepspeed", "zero2.json"])
     assert via_cli.deepspeed["zero_optimization"]["stage"] == 2

@@ -134,7 +134,7 @@ def test_old_logprobs_from_the_sampler_skip_the_actor_forward(process_group, mod
 
 
 def test_truncated_importance_weights_compare_the_actor_with_the_sampler(process_group, models):
-    actor, critic, scorer, tokenizer = models
+    actor, _critic, scorer, tokenizer = models
     batch = [
         Sample(s.prompt_ids, s.response_ids, [-1.0] * len(s.response_ids), True)
         for s in samples(actor.config.vocab_size)

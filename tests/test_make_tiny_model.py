@@ -66,7 +66,7 @@ def test_vllm_cpu_greedy_equals_hf_greedy(tiny_model_dir):
         env={**os.environ},
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    (line,) = [l for l in result.stdout.splitlines() if l.startswith("{")]
+    (line,) = [ln for ln in result.stdout.splitlines() if ln.startswith("{")]
     out = json.loads(line)
     assert all(len(ids) > 0 for ids in out["vllm"])
     assert out["vllm"] == out["hf"]  # fp32: token for token

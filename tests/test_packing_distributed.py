@@ -20,7 +20,7 @@ def two_rank_run(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("packed_zero3")
     cmd = [*launcher_cmd(2), str(REPO / "tests" / "scripts" / "packed_zero3_step.py"), str(tiny_model_dir), str(out)]
     result = run_launched(cmd, ranks=2)
-    (line,) = [l for l in result.stdout.splitlines() if l.startswith("{")]
+    (line,) = [ln for ln in result.stdout.splitlines() if ln.startswith("{")]
     return json.loads(line), out
 
 
@@ -66,7 +66,7 @@ def test_shared_prompts_give_the_whole_sequence_gradient_on_two_ranks_under_zero
         str(tiny_model_dir),
         str(rm_data / "validation.parquet"),
     ]
-    (line,) = [l for l in run_launched(cmd, ranks=2).stdout.splitlines() if l.startswith("{")]
+    (line,) = [ln for ln in run_launched(cmd, ranks=2).stdout.splitlines() if ln.startswith("{")]
     report = json.loads(line)
     assert report["world"] == 2 and report["tokens"]["shared"] < 0.7 * report["tokens"]["plain"]
     for stage in ("zero2", "zero3"):

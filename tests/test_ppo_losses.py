@@ -186,7 +186,8 @@ def test_estimators_from_token_rewards_by_hand():
     kl = torch.tensor([[0.5, 0.5], [0.0, 1.0]])
     rewards = token_rewards(torch.tensor([1.0, 4.0]), kl, mask, kl_coef=1.0)  # [[-0.5, 0.5], [0.0, 3.0]]
     common = dict(values=torch.full((2, 2), 9.0), mask=mask, gamma=1.0, lam=0.95, group_size=2, whiten_advantages=True)
-    # REINFORCE++: return to go [[0, 0.5], [3, 3]], whitened over the batch (mean 1.625, variance 1.921875); the critic's values unused.
+    # REINFORCE++: return to go [[0, 0.5], [3, 3]], whitened over the batch (mean 1.625, variance 1.921875);
+    # the critic's values unused.
     advantages, returns = estimate_advantages("reinforce_pp", rewards, **common)
     to_go = torch.tensor([[0.0, 0.5], [3.0, 3.0]])
     assert torch.equal(returns, to_go)

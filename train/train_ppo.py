@@ -1,6 +1,7 @@
 """PPO on one hybrid ZeRO-3 engine with a colocated vLLM sampler.
 
-    deepspeed --num_gpus N train/train_ppo.py --config ds_configs/demo_ppo.json [--resume | --overwrite] [--dry-run] [--section.key value ...]
+    deepspeed --num_gpus N train/train_ppo.py --config ds_configs/demo_ppo.json
+        [--resume | --overwrite] [--dry-run] [--section.key value ...]
 
 Recipe: config -> process group -> prompts -> output-directory checks -> four models as
 DeepSpeed engines in one group (actor and critic trained, reference and reward model frozen; no
@@ -127,8 +128,9 @@ def load_fitting_prompts(path: str, tokenizer, cfg: PPOConfig, rank: int) -> lis
     prompts, dropped = prompts_that_fit(load_prompts(path), tokenizer, room - cfg.rollout.max_new_tokens)
     if dropped and rank == 0:
         print(
-            f"{path}: dropped {dropped} of {len(prompts) + dropped} prompts longer than {room - cfg.rollout.max_new_tokens} tokens "
-            "(the smaller of ppo.max_tokens_per_micro_batch and rollout.vllm_max_model_len, less rollout.max_new_tokens)"
+            f"{path}: dropped {dropped} of {len(prompts) + dropped} prompts longer than "
+            f"{room - cfg.rollout.max_new_tokens} tokens (the smaller of ppo.max_tokens_per_micro_batch and "
+            "rollout.vllm_max_model_len, less rollout.max_new_tokens)"
         )
     return prompts
 
@@ -172,7 +174,8 @@ def held_out_eval(
     run: RunLifecycle,
     sample_rows: int,
 ) -> dict[str, float]:
-    """Evaluate the current policy on the held-out prompts; log sample rows and monitor flags. Returns the eval/* metrics."""
+    """Evaluate the current policy on the held-out prompts; log sample rows and monitor flags.
+    Returns the eval/* metrics."""
     result, rows = evaluator.evaluate(sampler, engines.actor, engines.ref, sample_rows)
     result["reward"] += eval_reward_offset(run.step)
     for kind, message in monitor.check_evaluation(result):
@@ -355,8 +358,8 @@ def main() -> int:
     values_gae = values_from_update(cfg, engines.critic)
     if rank == 0:
         print(
-            f"train_ppo: {len(prompts)} prompts, {iterations} iterations, {world} rank(s), sampler {cfg.rollout.sampler}, "
-            f"actor {describe_engine(engines.actor)}"
+            f"train_ppo: {len(prompts)} prompts, {iterations} iterations, {world} rank(s), sampler "
+            f"{cfg.rollout.sampler}, actor {describe_engine(engines.actor)}"
             + (
                 f", critic values from {'the first critic step' if values_gae else 'an experience forward'}"
                 if engines.critic

@@ -1,6 +1,7 @@
 """Train a Bradley-Terry reward model on preference pairs.
 
-    deepspeed --num_gpus N train/train_rm.py --config ds_configs/demo_rm.json [--resume | --overwrite] [--dry-run] [--section.key value ...]
+    deepspeed --num_gpus N train/train_rm.py --config ds_configs/demo_rm.json
+        [--resume | --overwrite] [--dry-run] [--section.key value ...]
 
 Recipe: config -> process group -> tokenizer and data -> output-directory checks -> value model
 in a DeepSpeed engine -> start or resume the run -> loop (token-budget packed micro-batches, one
@@ -105,7 +106,8 @@ def load_pairs(path: str, tokenizer, cfg: RewardModelConfig, rank: int) -> list[
     if dropped and rank == 0:
         print(
             f"{path}: dropped {dropped} of {len(pairs) + dropped} pairs longer than train.max_tokens_per_micro_batch "
-            f"({cfg.train.max_tokens_per_micro_batch} tokens, chosen + rejected{', the prompt once' if shares_prompts(cfg) else ''})"
+            f"({cfg.train.max_tokens_per_micro_batch} tokens, "
+            f"chosen + rejected{', the prompt once' if shares_prompts(cfg) else ''})"
         )
     return pairs
 

@@ -1,6 +1,7 @@
 """Supervised fine-tuning of a causal LM on chat conversations (the policy PPO starts from).
 
-    deepspeed --num_gpus N train/train_sft.py --config ds_configs/demo_sft.json [--resume | --overwrite] [--dry-run] [--section.key value ...]
+    deepspeed --num_gpus N train/train_sft.py --config ds_configs/demo_sft.json
+        [--resume | --overwrite] [--dry-run] [--section.key value ...]
 
 Recipe: config -> process group -> tokenizer and conversations -> output-directory checks ->
 causal LM in a DeepSpeed engine -> start or resume the run -> loop (token-budget packed
@@ -121,8 +122,8 @@ def main() -> int:
     )
     if rank == 0:
         print(
-            f"train_sft: {len(train)} train / {len(validation)} validation conversations, {total_steps} steps, {world} rank(s), "
-            f"{describe_engine(engine)}"
+            f"train_sft: {len(train)} train / {len(validation)} validation conversations, {total_steps} steps, {world} "
+            f"rank(s), {describe_engine(engine)}"
             + (f", resumed at step {run.step} from {run.resume_from}" if run.resume_from else "")
         )
     evaluate = partial(evaluate_conversations, engine, validation, budget, tokenizer.pad_token_id)

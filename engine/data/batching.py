@@ -143,7 +143,8 @@ def prompt_groups(
     groups = []
     for members in by_prompt.values():
         shared = min(prompt_lens[members[0]], *(len(sequences[i]) - 1 for i in members))
-        part, load = [], shared
+        part: list[int] = []
+        load = shared
         for i in members:
             if part and load + len(sequences[i]) - shared > max_tokens:
                 groups.append((shared, part))

@@ -10,6 +10,7 @@ turn as the template closes it (e.g. ``<|im_end|>``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -18,13 +19,15 @@ Message = dict[str, str]
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Sequence[Message]) -> str:
     """The prompt as text, ending with the template's assistant header."""
-    return tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+    return cast(str, text)  # tokenize=False: the rendered text
 
 
 def render_conversation(tokenizer: PreTrainedTokenizerBase, prompt: Sequence[Message], response: str) -> str:
     """Prompt plus the response as one closed assistant turn, as text."""
     messages = [*prompt, {"role": "assistant", "content": response}]
-    return tokenizer.apply_chat_template(messages, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    return cast(str, text)  # tokenize=False: the rendered text
 
 
 def tokenize_pairs(

@@ -43,10 +43,11 @@ import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -80,9 +81,9 @@ def varlen_sdpa_attention(
     bounds = cu_seq_lens.tolist()
     branches = kwargs.get("packed_branches") or ((),) * (len(bounds) - 1)
     # (prefix, branches) per segment; a prompt with one branch is a plain sequence
-    segments = [
+    segments: list[tuple[int, tuple[int, ...]]] = [
         (n - sum(b), b) if len(b) > 1 else (n, ())
-        for n, b in zip((e - s for s, e in zip(bounds[:-1], bounds[1:])), branches)
+        for n, b in zip((e - s for s, e in itertools.pairwise(bounds)), branches)
     ]
     calls = attention_calls(bounds, SHORT_SEQUENCE_TOKENS, SHORT_BLOCK_TOKENS)
     sizes = [sum(lengths) for _, lengths in calls]
@@ -128,7 +129,7 @@ def attention_calls(bounds: list[int], short_tokens: int, block_tokens: int) -> 
     ``(start, lengths)`` each: consecutive sequences of at most ``short_tokens`` share a call of
     at most ``block_tokens`` in total; a longer sequence has one to itself."""
     calls: list[tuple[int, list[int]]] = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for start, end in itertools.pairwise(bounds):
         n, last = end - start, calls[-1][1] if calls else []
         if n <= short_tokens and last and max(last) <= short_tokens and sum(last) + n <= block_tokens:
             calls[-1][1].append(n)
@@ -265,7 +266,8 @@ def sequence_rows(packed: PackedBatch) -> list[torch.Tensor]:
 
 def runs_shared_prompts(model: torch.nn.Module) -> bool:
     """Whether ``model`` (bare or in a DeepSpeed engine) runs :func:`pack_shared` rows: attention ``sdpa_varlen``."""
-    return getattr(model, "module", model).config._attn_implementation == VARLEN_SDPA
+    hf_model = cast(PreTrainedModel, getattr(model, "module", model))
+    return hf_model.config._attn_implementation == VARLEN_SDPA
 
 
 def block_causal_mask(packed: PackedBatch, dtype: torch.dtype) -> torch.Tensor:
@@ -286,7 +288,8 @@ def packed_forward(
     (causal LMs): compute the LM head only at these row positions, (1, K, V) -- the vocabulary
     projection of prompt tokens is wasted work when only response log-probs are needed.
     """
-    hf_model = getattr(model, "module", model)  # a DeepSpeedEngine's .config is DeepSpeed's, not the model's
+    # a DeepSpeedEngine's .config is DeepSpeed's, not the model's
+    hf_model = cast(PreTrainedModel, getattr(model, "module", model))
     attn = hf_model.config._attn_implementation
     kwargs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "use_cache": False}
     if logits_positions is not None:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Literal, cast
 
 from engine.observe.records import truncate_after
+
+WandbMode = Literal["online", "offline", "disabled", "shared"]  # wandb.init's mode
 
 
 class RunLogger:
@@ -56,7 +58,7 @@ class RunLogger:
                 project=wandb_project,
                 dir=output_dir,
                 config=config,
-                mode=mode,
+                mode=cast(WandbMode, mode),  # WANDB_MODE passes through as set: wandb.init checks it
                 name=os.path.basename(os.path.abspath(output_dir)),
             )
 

@@ -25,7 +25,7 @@ import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -54,7 +54,7 @@ class Run:
     kind: str
 
 
-def _finite(value: Any) -> bool:
+def _finite(value: Any) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
@@ -86,7 +86,7 @@ def run_kind(records: Records) -> str:
 def _line(ax: Axes, records: Records, key: str, label: str | None = None, **style: Any) -> bool:
     steps, values = series(records, key)
     if steps:
-        sparse = {"marker": "o", "markersize": 3} if key.startswith("eval/") else {}
+        sparse: dict[str, Any] = {"marker": "o", "markersize": 3} if key.startswith("eval/") else {}
         ax.plot(steps, values, label=label or key, **(sparse | style))
     return bool(steps)
 
@@ -298,18 +298,22 @@ def render_plots(run: Run, png_dir: str) -> list[tuple[Plot, str]]:
 
 # ---- HTML ----
 
-CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
-table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:.25em .5em;vertical-align:top;text-align:left}
-th{background:#f3f3f3}tr.warn{background:#fff4d6}tr.error{background:#fde0e0}
-td div{white-space:pre-wrap;max-height:12em;overflow:auto;max-width:32em}
-figure{display:inline-block;margin:.5em}figcaption{font-size:.9em;color:#555}pre{background:#f7f7f7;padding:.5em;overflow:auto}"""
+CSS = (
+    "body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}\n"
+    "table{border-collapse:collapse;margin:.5em 0}"
+    "td,th{border:1px solid #ccc;padding:.25em .5em;vertical-align:top;text-align:left}\n"
+    "th{background:#f3f3f3}tr.warn{background:#fff4d6}tr.error{background:#fde0e0}\n"
+    "td div{white-space:pre-wrap;max-height:12em;overflow:auto;max-width:32em}\n"
+    "figure{display:inline-block;margin:.5em}figcaption{font-size:.9em;color:#555}"
+    "pre{background:#f7f7f7;padding:.5em;overflow:auto}"
+)
 
 
 def _e(value: Any) -> str:
     return html.escape(f"{value:.4g}" if isinstance(value, float) else str(value))
 
 
-def _table(header: Sequence[str], rows: list[tuple[str, Sequence[Any]]]) -> str:
+def _table(header: Sequence[str], rows: Sequence[tuple[str, Sequence[Any]]]) -> str:
     """rows: (css class, cells); no header row when ``header`` is empty."""
     head = "<tr>" + "".join(f"<th>{_e(h)}</th>" for h in header) + "</tr>" if header else ""
     body = "".join(
@@ -320,7 +324,7 @@ def _table(header: Sequence[str], rows: list[tuple[str, Sequence[Any]]]) -> str:
 
 def summary_html(run: Run) -> str:
     steps = [r["step"] for r in run.metrics]
-    rows = [
+    rows: list[tuple[str, tuple[str, Any]]] = [
         ("", ("run kind", run.kind)),
         ("", ("steps logged", f"{len(steps)} (last step {steps[-1]})" if steps else "0")),
     ]
@@ -381,7 +385,11 @@ def build_html(run: Run, run_dir: str, plots: list[tuple[Plot, str]], html_dir: 
         sections.append("<h2>Sample rollouts</h2>" + samples_html(run.samples))
     sections.append(f"<h2>Config</h2><details><summary>config.json</summary>{config}</details>")
     body = "\n".join(sections)
-    return f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>Run report: {_e(os.path.basename(os.path.abspath(run_dir)))}</title><style>{CSS}</style></head>\n<body>\n{body}\n</body></html>\n'
+    title = _e(os.path.basename(os.path.abspath(run_dir)))
+    return (
+        f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>Run report: {title}</title>'
+        f"<style>{CSS}</style></head>\n<body>\n{body}\n</body></html>\n"
+    )
 
 
 def write_report(run_dir: str, output: str | None = None) -> str:

@@ -25,6 +25,7 @@ from engine.data.packing import (
 )
 from engine.ppo.losses import (
     AdvantageEstimator,
+    KLEstimator,
     entropy_from_logits,
     estimate_advantages,
     kl_penalty,
@@ -248,7 +249,7 @@ def make_experience(
     value_weights: torch.Tensor,
     tokenizer,
     max_tokens: int,
-    kl_estimator: str,
+    kl_estimator: KLEstimator,
     kl_coef: float,
     gamma: float,
     lam: float,

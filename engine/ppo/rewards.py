@@ -6,6 +6,7 @@ import importlib
 import json
 import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -44,11 +45,16 @@ class RewardScorer:
         hf = getattr(reward_model, "module", reward_model)
         self.components = [hf.config.id2label[i] for i in sorted(hf.config.id2label)]
         stats_path = os.path.join(model_dir, "reward_stats.json")
-        stats = json.load(open(stats_path)) if os.path.exists(stats_path) else {}
+        stats: dict[str, Any] = {}
+        if os.path.exists(stats_path):
+            with open(stats_path) as f:
+                stats = json.load(f)
         if normalize and not stats:
             raise ValueError(f"{stats_path} not found: train_rm.py writes it; set reward_model.normalize false to skip")
         weights = stats.get("weights", dict.fromkeys(self.components, 1.0))
         self.weights = torch.tensor([weights[c] for c in self.components])
+        self.mean: float
+        self.std: float
         self.mean, self.std = (stats["mean"], stats["std"]) if normalize else (0.0, 1.0)
         self.clip, self.no_eos_penalty, self.max_tokens = clip, no_eos_penalty, max_tokens
         self.share_prompts = share_prompts  # a prompt's responses read it once

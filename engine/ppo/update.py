@@ -17,6 +17,7 @@ from engine.data.batching import token_mean_scale
 from engine.data.packing import PackedBatch, dummy_forward_loss, packed_forward
 from engine.ppo.experience import Experience, micro_batches, pad_right, response_logprobs, response_values
 from engine.ppo.losses import (
+    KLEstimator,
     PolicyLoss,
     clipped_policy_loss,
     clipped_value_loss,
@@ -34,7 +35,7 @@ class PolicyLossSettings:
     clip_high: float
     clip_ratio_c: float | None  # dual clip when set
     kl_loss_coef: float
-    kl_estimator: str
+    kl_estimator: KLEstimator
     entropy_coef: float
 
     def policy_loss(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor) -> PolicyLoss:
@@ -122,10 +123,11 @@ def actor_step(
     sums = torch.zeros(len(names) + 1, dtype=torch.float64)  # token sums of each statistic, then the token count
     for _, mb, packed in _micro_batches(engine, batch, max_tokens, pad_id, share_prompts):
         T = mb.mask.shape[1]
-        logprobs, entropy = response_logprobs(
+        logprob_rows, entropy_rows = response_logprobs(
             engine, packed, mb.prompt_lens, with_entropy=True, entropy_grad=settings.entropy_coef != 0
         )
-        logprobs, entropy = pad_right(logprobs, T), pad_right(entropy, T)  # (b, T) each
+        assert entropy_rows is not None  # with_entropy
+        logprobs, entropy = pad_right(logprob_rows, T), pad_right(entropy_rows, T)  # (b, T) each
         loss = actor_token_loss(logprobs, entropy, mb, settings)
         mask = mb.mask.float()
         engine.backward((loss.per_token * mask).sum() * (float("nan") if poison else scale))

@@ -22,6 +22,7 @@ import gc
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -132,7 +133,7 @@ class VLLMSampler:
         self._wake()
         if self.tp_group is None:
             return self._generate(prompts, settings, request_seed)
-        requests = [None] * torch.distributed.get_world_size(self.tp_group)
+        requests: list[Any] = [None] * torch.distributed.get_world_size(self.tp_group)  # (prompts, seed) per member
         torch.distributed.all_gather_object(requests, (list(prompts), request_seed), group=self.tp_group)
         mine = torch.distributed.get_rank(self.tp_group)
         return [self._generate(p, settings, seed) for p, seed in requests][mine]

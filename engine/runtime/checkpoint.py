@@ -88,7 +88,9 @@ class ResumeError(RuntimeError):
 def rng_state() -> dict[str, Any]:
     """Python, numpy and torch (CPU and, with a GPU, CUDA) RNG states as plain data (loadable
     with weights_only=True)."""
-    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    np_state = np.random.get_state(legacy=True)  # the default, spelled out: numpy's stubs type a bare call as a dict
+    assert isinstance(np_state, tuple)
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np_state
     return {
         "python": list(random.getstate()[1]),
         "python_version": random.getstate()[0],
@@ -194,7 +196,10 @@ def describe_checkpoints(ckpt_root: str) -> str:
     complete = [os.path.basename(c) for c in complete_checkpoints(ckpt_root)]
     named = _read_latest(ckpt_root)
     if not complete:
-        return f"{len(found)} checkpoint(s) in {ckpt_root}, all damaged (files differ from their {MANIFEST}): {', '.join(found)}"
+        return (
+            f"{len(found)} checkpoint(s) in {ckpt_root}, all damaged (files differ from their {MANIFEST}): "
+            f"{', '.join(found)}"
+        )
     if named is None:
         return (
             f"no '{LATEST}' pointer in {ckpt_root} (complete checkpoints: {', '.join(complete)}); to resume from one, "

@@ -7,7 +7,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import deepspeed
 import torch
@@ -82,7 +82,8 @@ def fetch_whole_decoder_layers(model: torch.nn.Module, ds_config: dict[str, Any]
     if zero_stage(ds_config) != 3 or not classes:  # ZeRO-2, or no transformers blocks (a plain torch module)
         return
     trains_on_frozen_inputs = (
-        any(p.requires_grad for p in model.parameters()) and not base.get_input_embeddings().weight.requires_grad
+        any(p.requires_grad for p in model.parameters())
+        and not cast(PreTrainedModel, base).get_input_embeddings().weight.requires_grad
     )
     if not trains_on_frozen_inputs:
         set_z3_leaf_modules(model, classes, raise_if_not_found=False)
@@ -143,7 +144,8 @@ def describe_engine(engine) -> str:
         if on
     ]
     return (
-        f"ZeRO-{engine.zero_optimization_stage()}, {str(dtype).removeprefix('torch.')} weights, offload: {' + '.join(offloads) or 'none'}, "
+        f"ZeRO-{engine.zero_optimization_stage()}, {str(dtype).removeprefix('torch.')} weights, offload: "
+        f"{' + '.join(offloads) or 'none'}, "
         f"gradient checkpointing {'on' if getattr(engine.module, 'is_gradient_checkpointing', False) else 'off'}"
     )
 

@@ -6,6 +6,7 @@ import os
 import socket
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -87,7 +88,7 @@ def ranks_not_sharing(directory: str) -> list[str]:
         os.makedirs(directory, exist_ok=True)
         open(probe, "w").close()
     torch.distributed.barrier()
-    seen = [None] * torch.distributed.get_world_size()
+    seen: list[Any] = [None] * torch.distributed.get_world_size()  # (exists, host) per rank
     torch.distributed.all_gather_object(seen, (os.path.exists(probe), socket.gethostname()))
     if rank == 0:
         os.remove(probe)

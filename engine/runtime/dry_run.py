@@ -89,7 +89,8 @@ def print_models(models: list[tuple], ds_config: dict[str, Any], world: int, cfg
             adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
             print(
                 f"  {name:<12} {total:>15,} parameters (LoRA rank {lora[0].rank}: {adapters:,} trained): "
-                f"{frozen_memory(total, ds_config, world, cfg_model.bf16)} + {trained_memory(adapters, largest, ds_config, world)}; "
+                f"{frozen_memory(total, ds_config, world, cfg_model.bf16)} + "
+                f"{trained_memory(adapters, largest, ds_config, world)}; "
                 f"without LoRA: {trained_memory(total, largest, ds_config, world)}"
             )
             continue
@@ -124,8 +125,8 @@ def step_plan(lengths: list[int], per_step: int, budget: int, world: int) -> str
     counts = [len(plan[0]) for plan in plans]
     fill = [sum(lengths[i] for i in micro) for micro in plans[0][0] if micro]
     return (
-        f"micro-batches (budget {budget} tokens, packed): {np.mean(counts):.1f} per step on average, max {max(counts)}; "
-        f"step 1 on rank 0: {fill} tokens"
+        f"micro-batches (budget {budget} tokens, packed): {np.mean(counts):.1f} per step on average, max "
+        f"{max(counts)}; step 1 on rank 0: {fill} tokens"
     )
 
 
@@ -155,7 +156,8 @@ def rm_plan(cfg, train: list, validation: list, ds_config: dict[str, Any], world
     print(
         f"train pairs:      {length_stats([e.num_tokens for e in train])} (chosen + rejected"
         + (
-            f", the prompt once: {sum(e.shared_prefix for e in train) / sum(e.num_tokens for e in train):.0%} fewer tokens)"
+            f", the prompt once: {sum(e.shared_prefix for e in train) / sum(e.num_tokens for e in train):.0%} "
+            "fewer tokens)"
             if shared
             else ")"
         )
@@ -206,8 +208,9 @@ def ppo_plan(cfg, prompts: list, eval_prompts: list, tokenizer, ds_config: dict[
     too_long = sum(n + r.max_new_tokens > r.vllm_max_model_len for n in lengths)
     per_iteration = r.prompts_per_iteration * r.samples_per_prompt
     print(
-        f"rollout: {r.prompts_per_iteration} prompts x {r.samples_per_prompt} samples = {per_iteration} sequences per iteration, "
-        f"{len(prompts) // r.prompts_per_iteration} iterations per pass over the prompts, {cfg.train.iterations} iterations"
+        f"rollout: {r.prompts_per_iteration} prompts x {r.samples_per_prompt} samples = {per_iteration} sequences per "
+        f"iteration, {len(prompts) // r.prompts_per_iteration} iterations per pass over the prompts, "
+        f"{cfg.train.iterations} iterations"
     )
     if too_long:
         print(
@@ -220,9 +223,10 @@ def ppo_plan(cfg, prompts: list, eval_prompts: list, tokenizer, ds_config: dict[
     mini = cfg.ppo.mini_batch_size // world
     print(
         f"micro-batches (budget {budget} tokens, worst case: longest prompts + max_new_tokens, longest {longest}): "
-        f"{experience_micro_batches(cfg, sorted(lengths)[-r.prompts_per_iteration // world :], budget)} per experience forward, "
-        f"{len(plan_micro_batches(worst[-mini:], budget))} per mini-batch update; "
-        f"{cfg.ppo.ppo_epochs * per_iteration // cfg.ppo.mini_batch_size} optimizer steps per iteration per trained model"
+        f"{experience_micro_batches(cfg, sorted(lengths)[-r.prompts_per_iteration // world :], budget)} per experience "
+        f"forward, {len(plan_micro_batches(worst[-mini:], budget))} per mini-batch update; "
+        f"{cfg.ppo.ppo_epochs * per_iteration // cfg.ppo.mini_batch_size} "
+        "optimizer steps per iteration per trained model"
     )
     components = None if cfg.critic.init_from == "reward_model" else ["value"]
     critic_path = cfg.reward_model.path if cfg.critic.init_from == "reward_model" else cfg.actor.path

@@ -10,17 +10,20 @@ disabled.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import cast
 
 import deepspeed
 import torch
 from peft import PeftModel
+from peft.tuners.lora import Linear as LoraLinear
+from transformers import PreTrainedModel
 
 from engine.runtime.lora import merged_weight
 
 
 def decoder_layers(module: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
     """The (name, ModuleList) holding the transformer blocks: the list with num_hidden_layers entries."""
-    n_layers = module.config.num_hidden_layers
+    n_layers = cast(PreTrainedModel, module).config.num_hidden_layers
     for name, child in module.named_modules():
         if isinstance(child, torch.nn.ModuleList) and len(child) == n_layers:
             return name, child
@@ -30,7 +33,7 @@ def decoder_layers(module: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
 def weight_buckets(module: torch.nn.Module) -> Iterator[list[tuple[str, torch.nn.Parameter]]]:
     """One bucket per decoder layer, then one with everything else (embeddings, norm, head)."""
     prefix, layers = decoder_layers(module)
-    in_layers = set()
+    in_layers: set[int] = set()  # ids of the layers' parameters
     for i, layer in enumerate(layers):
         bucket = [(f"{prefix}.{i}.{name}", p) for name, p in layer.named_parameters()]
         in_layers.update(id(p) for _, p in bucket)
@@ -50,7 +53,10 @@ def hf_weight_buckets(module: torch.nn.Module) -> Iterator[list[tuple[str, torch
                 if ".lora_" in name:  # folded into its base layer's weight
                     continue
                 adapted = name.removesuffix(".base_layer.weight")
-                tensor = merged_weight(base.get_submodule(adapted), p.data) if adapted != name else p.data
+                if adapted != name:  # a LoRA layer's base weight
+                    tensor = merged_weight(cast(LoraLinear, base.get_submodule(adapted)), p.data)
+                else:
+                    tensor = p.data
                 weights.append((name.replace(".base_layer", ""), tensor))
             yield weights
 

@@ -1,4 +1,5 @@
-"""What both launched scripts do first and last: arguments, config, process group, seeds; the exit."""
+"""What the three launched scripts (SFT, RM, PPO) do first and last: arguments, config, process group,
+seeds; the exit."""
 
 from __future__ import annotations
 

@@ -135,9 +135,10 @@ class RunLifecycle:
             if blind:
                 raise RunRefused(
                     "output",
-                    f"logging.output_dir {self.output_dir} is not one directory for all ranks: {', '.join(blind)} cannot "
-                    "see the files rank 0 writes there. Every rank writes its share of each checkpoint there and reads them all on "
-                    "--resume: put it on a filesystem every node mounts (NFS, Lustre, ...); nothing was changed.",
+                    f"logging.output_dir {self.output_dir} is not one directory for all ranks: {', '.join(blind)} "
+                    "cannot see the files rank 0 writes there. Every rank writes its share of each checkpoint there "
+                    "and reads them all on --resume: put it on a filesystem every node mounts (NFS, Lustre, ...); "
+                    "nothing was changed.",
                 )
         found = existing_run(self.output_dir, self.export_dir)
         if self.run_args.resume:
@@ -333,6 +334,7 @@ class RunLifecycle:
         except TrainingAborted as e:
             self.event("rollback_give_up", str(e))
             raise RunEnded(3, f"training aborted: {e}") from None
+        assert self.last_good is not None  # count_rollback refuses a rollback without one
         saved = self._restore(self.last_good, allow_config_change=False, rollback=True)
         new_scale = self.lr_scale * self.rollback_lr_factor
         scale_learning_rate(
@@ -346,7 +348,8 @@ class RunLifecycle:
         self.event(
             "rollback",
             f"held-out reward {reward:.4f} fell below the best {self.rollback.best:.4f}: rolled back to "
-            f"{self.last_good}, LR scale {new_scale:g} (rollback {self.rollback.rollbacks} of {self.rollback.max_rollbacks})",
+            f"{self.last_good}, LR scale {new_scale:g} "
+            f"(rollback {self.rollback.rollbacks} of {self.rollback.max_rollbacks})",
             step=at_step,
             to_step=self.step,
         )

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from peft.tuners.lora import LoraLayer
+from peft.tuners.lora import Linear as LoraLinear
 
 VALUE_HEADS = ("score", "classifier")  # AutoModelForTokenClassification's head, by architecture
 
@@ -50,7 +50,7 @@ def adapters_disabled(module: torch.nn.Module):
     return module.disable_adapter() if isinstance(module, PeftModel) else contextlib.nullcontext()
 
 
-def merged_weight(layer: LoraLayer, base_weight: torch.Tensor) -> torch.Tensor:
+def merged_weight(layer: LoraLinear, base_weight: torch.Tensor) -> torch.Tensor:
     """W + scaling * B @ A of ``layer``'s active adapter (``base_weight`` is W, gathered), or W
     while the adapters are disabled."""
     if layer.disable_adapters:

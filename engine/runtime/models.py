@@ -92,6 +92,7 @@ def meta_model(
 ) -> PreTrainedModel:
     """The model a script would load from ``path`` (causal LM, or value model with ``value_head``),
     built on the meta device: its shapes without its weights."""
+    auto: type[AutoModelForCausalLM | AutoModelForTokenClassification]
     if value_head:
         config, auto = value_model_config(path, components, trust_remote_code), AutoModelForTokenClassification
     else:

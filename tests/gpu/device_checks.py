@@ -19,12 +19,12 @@ from engine.runtime.checkpoint import rng_state, set_rng_state
 from engine.runtime.distributed import all_reduce
 from engine.runtime.models import load_causal_lm, load_value_model, resolve_attention
 
-failures = 0
+failures: list[str] = []  # names of the failed checks
 
 
 def check(name: str, ok: bool, detail: str = "") -> None:
-    global failures
-    failures += not ok
+    if not ok:
+        failures.append(name)
     print(f"{'PASS' if ok else 'FAIL'} {name} {detail}", flush=True)
 
 
@@ -91,8 +91,8 @@ def main(model_dir: str) -> int:
     a = torch.rand(3, device=cuda)
     set_rng_state(state)
     check("CUDA RNG in the checkpointed RNG state", bool(state["cuda"]) and torch.equal(a, torch.rand(3, device=cuda)))
-    print(f"{failures} failure(s)")
-    return failures
+    print(f"{len(failures)} failure(s)")
+    return len(failures)
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def main(model_dir: str) -> None:
         model = load_causal_lm(model_dir, dtype=torch.bfloat16).to(cuda)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-5)
         try:
-            s = step_seconds(model, lambda: (optim.step(), optim.zero_grad()))
+            s = step_seconds(model, lambda optim=optim: (optim.step(), optim.zero_grad()))
             print(f"bare model, {name}: {s * 1e3:.1f} ms per step, {tokens / s:,.0f} tokens/s")
         except Exception as e:
             print(f"bare model, {name}: {type(e).__name__}: {e}")
@@ -82,7 +82,8 @@ def main(model_dir: str) -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29544")
     deepspeed.init_distributed("nccl")
     for cfg_name in ("zero2.json", "zero3.json"):
-        ds = training_ds_config(json.load(open(os.path.join("ds_configs", cfg_name))), bf16=True)
+        with open(os.path.join("ds_configs", cfg_name)) as f:
+            ds = training_ds_config(json.load(f), bf16=True)
         engine = initialize_training_engine(
             load_causal_lm(model_dir, dtype=torch.float32), ds, 1e-5, (0.9, 0.95), 0.0, "constant", 0, 100
         )

@@ -63,7 +63,8 @@ def main() -> int:
     want = ours(q, k, v, cu)  # fp32, CPU
     status = 0
     print(
-        f"torch {torch.__version__}, one packed row of {len(lens)} sequences, {int(cu[-1])} tokens, {HEADS} heads x {HEAD_DIM}"
+        f"torch {torch.__version__}, one packed row of {len(lens)} sequences, {int(cu[-1])} tokens, "
+        f"{HEADS} heads x {HEAD_DIM}"
     )
     try:
         from torch.nn.attention.varlen import varlen_attn  # noqa: F401
