@@ -13,7 +13,7 @@ bench/ppo_vs_trl.py adds the sampling time to bound the speed-up over TRL any tr
 
 from __future__ import annotations
 
-import engine.runtime.cpu_threads  # noqa: F401 -- first: the training scripts' OpenMP settings
+import engine.run.cpu_threads  # noqa: F401 -- first: the training scripts' OpenMP settings
 
 # isort: split
 
@@ -26,8 +26,8 @@ import pyarrow.parquet as pq
 import torch
 
 from engine.data.packing import pack_sequences, packed_forward
+from engine.models.loading import load_causal_lm, load_value_model
 from engine.ppo.experience import response_logprobs
-from engine.runtime.models import load_causal_lm, load_value_model
 
 PROMPTS_PER_ITERATION, NEW_TOKENS = 16, 64
 

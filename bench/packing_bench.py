@@ -28,7 +28,7 @@ from data_prep.prepare_preferences import Tally, read_pairs
 from engine.data.batching import plan_micro_batches
 from engine.data.chat import tokenize_pairs
 from engine.data.packing import last_token, pack_sequences, packed_forward
-from engine.runtime.models import load_value_model
+from engine.models.loading import load_value_model
 
 HH = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
 MAX_LENGTH = 512

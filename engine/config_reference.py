@@ -79,7 +79,7 @@ def _type(prop: dict[str, Any]) -> str:
     kind = prop.get("type", "any")
     if kind == "array":
         return f"list of {_type(prop['items'])}"
-    if kind == "object" and prop.get("additionalProperties"):
+    if kind == "object" and isinstance(prop.get("additionalProperties"), dict) and prop["additionalProperties"]:
         return f"object of {_type(prop['additionalProperties'])}"
     return kind
 

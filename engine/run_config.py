@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from engine.config import DS_CONFIGS_DIR, ConfigError, json_schema, option, required, section
+from pydantic import Field
+
+from engine.config import DS_CONFIGS_DIR, Config, ConfigError, DeepSpeedDict, json_schema, option, required, section
 
 MAX_SEED = 2**31 - 1  # numpy seeds stay below 2**32; derived per-rank and per-iteration seeds must fit too
-# DeepSpeed config keys the scripts set themselves (engine/runtime/deepspeed_glue.training_ds_config):
+# DeepSpeed config keys the scripts set themselves (engine/models/deepspeed_glue.training_ds_config):
 # token-budget batching decides the batch, the run config the optimizer, schedule and dtype.
 DEEPSPEED_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -51,8 +52,7 @@ def resolve_deepspeed_dtype(ds_config: dict[str, Any], bf16: bool | None, bf16_k
     return bool(bf16) if bf16 is not None else bool(ds_bf16)
 
 
-@dataclass
-class ModelSection:
+class ModelSection(Config):
     path: str = required("HF checkpoint directory (or hub name) of the base model")
     attn_implementation: Literal["auto", "sdpa_varlen", "flash_attention_2", "sdpa", "eager"] = option(
         "auto",
@@ -66,8 +66,7 @@ class ModelSection:
     trust_remote_code: bool = option(False, "allow custom modelling code from the checkpoint")
 
 
-@dataclass
-class LoraSection:
+class LoraSection(Config):
     rank: int = option(0, "LoRA rank r (0: off, every weight is trained)", ge=0)
     alpha: float = option(16.0, "LoRA alpha: the adapter's output is scaled by alpha / rank", gt=0)
     dropout: float = option(0.0, "dropout on the adapter's input in training", ge=0, lt=1)
@@ -77,39 +76,35 @@ class LoraSection:
         "(the last part of the module name; Llama/Qwen/Mistral names by default)",
     )
 
-    def __post_init__(self):
+    def check(self) -> None:
         if self.rank and not self.target_modules:
             raise ConfigError("'target_modules' needs at least one layer name when rank > 0")
 
 
-@dataclass
 class PolicySection(ModelSection):
     lora: LoraSection = section(
         LoraSection, "LoRA adapters: only they are trained and checkpointed; the reference is the actor with them off"
     )
 
 
-@dataclass
-class OptimSection:
+class OptimSection(Config):
     lr: float = option(1e-5, "peak learning rate", gt=0)
     weight_decay: float = option(0.0, "AdamW weight decay", ge=0)
-    betas: list[float] = option([0.9, 0.95], "AdamW betas", ge=0, lt=1)
+    betas: list[Annotated[float, Field(ge=0, lt=1)]] = option([0.9, 0.95], "AdamW betas")
     lr_scheduler: Literal["cosine", "linear", "constant_with_warmup"] = option("cosine", "schedule after warm-up")
     warmup_ratio: float = option(0.03, "fraction of the optimizer steps spent warming up linearly", ge=0, lt=1)
 
-    def __post_init__(self):
+    def check(self) -> None:
         if len(self.betas) != 2:
             raise ConfigError(f"'betas' must have 2 values, got {self.betas}")
 
 
-@dataclass
-class CheckpointSection:
+class CheckpointSection(Config):
     every_steps: int = option(0, "save a resumable checkpoint every N optimizer steps (0: only on a stop signal)", ge=0)
     keep_last: int = option(2, "how many checkpoints to keep", ge=1)
 
 
-@dataclass
-class LoggingSection:
+class LoggingSection(Config):
     output_dir: str = option("runs/rm", "run directory: metrics, checkpoints, final model")
     wandb_project: str = option("rlhf-toolkit", "wandb project (offline unless WANDB_MODE or WANDB_API_KEY is set)")
     wandb: bool = option(True, "log to wandb")
@@ -117,22 +112,19 @@ class LoggingSection:
     progress_bar: bool = option(True, "show a tqdm bar on rank 0")
 
 
-@dataclass
-class GuardsSection:
+class GuardsSection(Config):
     max_nonfinite_in_a_row: int = option(
         5, "abort after this many optimizer steps in a row discarded for a NaN/Inf loss or gradient", ge=1
     )
 
 
-@dataclass
-class RMDataSection:
+class RMDataSection(Config):
     train: str = required("train pairs parquet (data_prep/prepare_preferences.py)")
     validation: str = required("validation pairs parquet")
     use_margin: bool = option(True, "subtract the data's margin inside the BT loss when present")
 
 
-@dataclass
-class RMSection:
+class RMSection(Config):
     components: dict[str, float] = option({"reward": 1.0}, "reward components and their weights in the total")
     total_loss_coef: float = option(1.0, "weight of the BT loss of the weighted total on the overall preference", ge=0)
     center_coef: float = option(0.0, "weight of the centering term mean((r_c + r_r)^2)", ge=0)
@@ -142,13 +134,12 @@ class RMSection:
         "on CPUs and on GPUs without flash-attn)",
     )
 
-    def __post_init__(self):
+    def check(self) -> None:
         if not self.components:
             raise ConfigError("'components' needs at least one name")
 
 
-@dataclass
-class EpochsSection:
+class EpochsSection(Config):
     """The schedule of a pass over a fixed data set (SFT, RM); subclasses add the step size."""
 
     epochs: int = option(1, "passes over the train data", ge=1)
@@ -158,18 +149,16 @@ class EpochsSection:
     seed: int = option(0, "seed of the data order (and of a new head's initialisation)", ge=0, le=MAX_SEED)
 
 
-@dataclass
 class RMTrainSection(EpochsSection):
     pairs_per_step: int = option(32, "pairs per optimizer step, over all ranks", ge=1)
 
 
-@dataclass
-class RewardModelConfig:
+class RewardModelConfig(Config):
     """Config of train/train_rm.py."""
 
     model: ModelSection = required("base model")
     data: RMDataSection = required("preference data")
-    deepspeed: dict[str, Any] = required("DeepSpeed config: inline, or a file next to this config or in ds_configs/")
+    deepspeed: DeepSpeedDict = required("DeepSpeed config: inline, or a file next to this config or in ds_configs/")
     rm: RMSection = section(RMSection, "reward head and loss")
     train: RMTrainSection = section(RMTrainSection, "batching and schedule")
     optim: OptimSection = section(OptimSection, "optimizer and learning-rate schedule")
@@ -177,42 +166,38 @@ class RewardModelConfig:
     guards: GuardsSection = section(GuardsSection, "training guards")
     logging: LoggingSection = section(LoggingSection, "where and how to log")
 
-    def __post_init__(self):
+    def check(self) -> None:
         self.model.bf16 = resolve_deepspeed_dtype(self.deepspeed, self.model.bf16, "model.bf16")
 
 
-@dataclass
-class SFTDataSection:
+class SFTDataSection(Config):
     train: str = required("train conversations parquet (data_prep/prepare_sft.py)")
     validation: str = option(
         "", "held-out conversations parquet, evaluated every eval_every_steps and at the end ('': none)"
     )
 
 
-@dataclass
 class SFTTrainSection(EpochsSection):
     conversations_per_step: int = option(32, "conversations per optimizer step, over all ranks", ge=1)
 
 
-@dataclass
-class SFTConfig:
+class SFTConfig(Config):
     """Config of train/train_sft.py."""
 
     model: ModelSection = required("base model to fine-tune")
     data: SFTDataSection = required("conversations")
-    deepspeed: dict[str, Any] = required("DeepSpeed config: inline, or a file next to this config or in ds_configs/")
+    deepspeed: DeepSpeedDict = required("DeepSpeed config: inline, or a file next to this config or in ds_configs/")
     train: SFTTrainSection = section(SFTTrainSection, "batching and schedule")
     optim: OptimSection = section(OptimSection, "optimizer and learning-rate schedule")
     checkpoint: CheckpointSection = section(CheckpointSection, "resumable checkpoints")
     guards: GuardsSection = section(GuardsSection, "training guards")
     logging: LoggingSection = section(LoggingSection, "where and how to log")
 
-    def __post_init__(self):
+    def check(self) -> None:
         self.model.bf16 = resolve_deepspeed_dtype(self.deepspeed, self.model.bf16, "model.bf16")
 
 
-@dataclass
-class RewardModelSection:
+class RewardModelSection(Config):
     path: str = required("reward model directory (output of train_rm.py: model/)")
     normalize: bool = option(True, "standardise the score with the model's reward_stats.json mean/std")
     clip: float = option(10.0, "clip the (normalised) score to [-clip, clip]", gt=0)
@@ -220,22 +205,19 @@ class RewardModelSection:
     no_eos_penalty: float = option(0.0, "added to the score of responses cut at max_new_tokens (e.g. -1.0)")
 
 
-@dataclass
-class CriticSection:
+class CriticSection(Config):
     init_from: Literal["reward_model", "actor"] = option("reward_model", "initial weights of the critic's backbone")
     lr: float = option(5e-6, "critic learning rate (the schedule and betas follow 'optim')", gt=0)
     warmup_iterations: int = option(0, "first iterations train the critic only", ge=0)
     lora: LoraSection = section(LoraSection, "LoRA adapters on the critic's backbone (its value head is trained whole)")
 
 
-@dataclass
-class PPODataSection:
+class PPODataSection(Config):
     prompts: str = required("prompts parquet for rollouts (prepare_preferences.py: prompts_train.parquet)")
     eval_prompts: str = option("", "held-out prompts parquet, scored every eval_every iterations")
 
 
-@dataclass
-class RolloutSection:
+class RolloutSection(Config):
     sampler: Literal["vllm", "hf"] = option("vllm", "colocated vLLM engine, or HF generate on the actor")
     prompts_per_iteration: int = option(16, "prompts per iteration, over all ranks", ge=1)
     samples_per_prompt: int = option(1, "responses sampled per prompt", ge=1)
@@ -261,7 +243,7 @@ class RolloutSection:
         ge=1,
     )
 
-    def __post_init__(self):
+    def check(self) -> None:
         if self.tensor_parallel_size > 1 and self.sampler != "vllm":
             raise ConfigError(
                 f"'tensor_parallel_size' {self.tensor_parallel_size} needs sampler vllm "
@@ -274,8 +256,7 @@ class RolloutSection:
             )
 
 
-@dataclass
-class PPOSection:
+class PPOSection(Config):
     ppo_epochs: int = option(1, "passes over each rollout batch", ge=1)
     mini_batch_size: int = option(16, "samples per optimizer step, over all ranks", ge=1)
     max_tokens_per_micro_batch: int = option(2048, "token budget of one packed forward on one rank", ge=2)
@@ -342,14 +323,12 @@ class PPOSection:
     )
 
 
-@dataclass
-class PPOTrainSection:
+class PPOTrainSection(Config):
     iterations: int = option(20, "rollout + update iterations", ge=1)
     eval_every: int = option(0, "score held-out prompts every N iterations (0: start and end only)", ge=0)
     seed: int = option(0, "seed of prompt order, sampling and initialisation", ge=0, le=MAX_SEED)
 
 
-@dataclass
 class PPOGuardsSection(GuardsSection):
     kl_ceiling: float | None = option(
         None, "rollout KL per token above which the actor LR is lowered (e.g. 0.1; None: off)", gt=0
@@ -367,8 +346,7 @@ class PPOGuardsSection(GuardsSection):
     max_rollbacks: int = option(2, "give up (exit 3) at the drop after this many rollbacks", ge=0)
 
 
-@dataclass
-class MonitorSection:
+class MonitorSection(Config):
     length_ratio_max: float = option(1.5, "flag when mean response length / the reference's exceeds this", gt=0)
     repeated_ngram_max: float = option(
         0.3, "flag when the fraction of repeated n-grams in responses exceeds this", ge=0, le=1
@@ -377,14 +355,13 @@ class MonitorSection:
     sample_rows: int = option(4, "held-out prompts whose responses go to samples.jsonl at each evaluation", ge=0)
 
 
-@dataclass
-class PPOConfig:
+class PPOConfig(Config):
     """Config of train/train_ppo.py."""
 
     actor: PolicySection = required("policy to train (also the frozen reference)")
     reward_model: RewardModelSection = required("frozen reward model")
     data: PPODataSection = required("prompts")
-    deepspeed: dict[str, Any] = required("DeepSpeed config of the trained models (ZeRO-3 for the hybrid engine)")
+    deepspeed: DeepSpeedDict = required("DeepSpeed config of the trained models (ZeRO-3 for the hybrid engine)")
     critic: CriticSection = section(CriticSection, "value model")
     rollout: RolloutSection = section(RolloutSection, "generation")
     ppo: PPOSection = section(PPOSection, "PPO hyper-parameters")
@@ -395,7 +372,7 @@ class PPOConfig:
     monitors: MonitorSection = section(MonitorSection, "reward-hacking monitors on held-out responses")
     logging: LoggingSection = section(LoggingSection, "where and how to log")
 
-    def __post_init__(self):
+    def check(self) -> None:
         self.actor.bf16 = resolve_deepspeed_dtype(self.deepspeed, self.actor.bf16, "actor.bf16")
         if self.guards.rollback_drop is not None and not (self.data.eval_prompts and self.train.eval_every):
             raise ConfigError(
@@ -422,25 +399,34 @@ class PPOConfig:
                 "ppo.old_logprobs_from sampler needs fp32 weights (actor.bf16 false): in bf16 the sampler's and the "
                 "actor's log-probs differ by ~1e-3, so PPO must recompute them"
             )
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if self.rollout.prompts_per_iteration * self.rollout.samples_per_prompt % self.ppo.mini_batch_size:
+            raise ConfigError(self._mini_batch_rule())
+
+    def check_world_size(self, world: int) -> None:
+        """The batch shapes against the number of ranks."""
+        tp, prompts = self.rollout.tensor_parallel_size, self.rollout.prompts_per_iteration
+        for broken, message in (
+            (world % tp, f"rollout.tensor_parallel_size ({tp}) must divide the {world} ranks"),
+            (prompts % world, f"rollout.prompts_per_iteration ({prompts}) must divide over {world} ranks"),
+            (self.ppo.mini_batch_size % world, f"{self._mini_batch_rule()}, and be divisible by {world} ranks"),
+        ):
+            if broken:
+                raise ConfigError(f"{self._source}: config: {message}")
+
+    def _mini_batch_rule(self) -> str:
         rollout = self.rollout.prompts_per_iteration * self.rollout.samples_per_prompt
-        if world % self.rollout.tensor_parallel_size:
-            raise ConfigError(
-                f"rollout.tensor_parallel_size ({self.rollout.tensor_parallel_size}) must divide the {world} ranks"
-            )
-        if self.rollout.prompts_per_iteration % world:
-            raise ConfigError(
-                f"rollout.prompts_per_iteration ({self.rollout.prompts_per_iteration}) must divide over {world} ranks"
-            )
-        if rollout % self.ppo.mini_batch_size or self.ppo.mini_batch_size % world:
-            raise ConfigError(
-                f"ppo.mini_batch_size ({self.ppo.mini_batch_size}) must divide the rollout batch, "
-                f"rollout.prompts_per_iteration x rollout.samples_per_prompt ({self.rollout.prompts_per_iteration} x "
-                f"{self.rollout.samples_per_prompt} = {rollout}), and be divisible by {world} ranks"
-            )
+        return (
+            f"ppo.mini_batch_size ({self.ppo.mini_batch_size}) must divide the rollout batch, "
+            f"rollout.prompts_per_iteration x rollout.samples_per_prompt ({self.rollout.prompts_per_iteration} x "
+            f"{self.rollout.samples_per_prompt} = {rollout})"
+        )
 
 
-SCRIPT_CONFIGS = {"train_sft": SFTConfig, "train_rm": RewardModelConfig, "train_ppo": PPOConfig}
+SCRIPT_CONFIGS: dict[str, type[Config]] = {
+    "train_sft": SFTConfig,
+    "train_rm": RewardModelConfig,
+    "train_ppo": PPOConfig,
+}
 
 
 def schemas() -> dict[str, dict[str, Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -55,9 +56,7 @@ def deepspeed_ready(process_group):
 
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(name, value)
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = (
-        False  # a JIT build otherwise (engine/runtime/distributed.py)
-    )
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # a JIT build otherwise (engine/run/distributed.py)
 
 
 @pytest.fixture(scope="session")
@@ -138,5 +137,8 @@ def rm_run(tmp_path_factory, tiny_model_dir, rm_data):
     from helpers import launch, write_rm_config
 
     root = tmp_path_factory.mktemp("rm_one_rank")
-    result = launch("train_rm.py", write_rm_config(root / "rm.json", tiny_model_dir, rm_data, root / "run"))
-    return root, result
+    config = write_rm_config(root / "rm.json", tiny_model_dir, rm_data, root / "run")
+    with_wandb = json.loads(config.read_text())
+    with_wandb["logging"]["wandb"] = True  # the one run that checks the offline wandb run (others skip its start)
+    config.write_text(json.dumps(with_wandb))
+    return root, launch("train_rm.py", config)

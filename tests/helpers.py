@@ -126,7 +126,7 @@ def run_script(script: str, config: Path, *extra: str) -> subprocess.CompletedPr
 
 
 def faults(**spec) -> dict[str, str]:
-    """The environment that injects faults (engine/runtime/faults.py)."""
+    """The environment that injects faults (engine/run/faults.py)."""
     return {"RLHF_FAULTS": json.dumps(spec)}
 
 
@@ -153,7 +153,7 @@ def write_sft_config(path: Path, tiny_model_dir: Path, sft_data: Path, output_di
             "lr_scheduler": "constant_with_warmup",
         },  # a shorter run follows the same curve
         "checkpoint": {"every_steps": SFT_EVERY, "keep_last": 5},
-        "logging": {"output_dir": str(output_dir), "progress_bar": False},
+        "logging": {"output_dir": str(output_dir), "progress_bar": False, "wandb": False},
     }
     path.write_text(json.dumps(config))
     return path
@@ -168,7 +168,7 @@ def write_rm_config(path: Path, tiny_model_dir: Path, rm_data: Path, output_dir:
         "train": {"pairs_per_step": 32, "max_tokens_per_micro_batch": 1024, "max_steps": RM_STEPS, **train},
         "optim": {"lr": 1e-3, "warmup_ratio": 0.1},
         "checkpoint": {"every_steps": RM_EVERY, "keep_last": 5},
-        "logging": {"output_dir": str(output_dir), "progress_bar": False},
+        "logging": {"output_dir": str(output_dir), "progress_bar": False, "wandb": False},
     }
     path.write_text(json.dumps(config))
     return path
@@ -196,7 +196,7 @@ def write_ppo_config(path: Path, tiny_model_dir: Path, rm_dir: Path, data: Path,
         "train": {"iterations": PPO_ITERATIONS, "eval_every": PPO_EVERY},
         "optim": {"lr": 5e-4, "warmup_ratio": 0.0, "lr_scheduler": "constant_with_warmup"},
         "checkpoint": {"every_steps": PPO_EVERY, "keep_last": 5},
-        "logging": {"output_dir": str(output_dir), "progress_bar": False},
+        "logging": {"output_dir": str(output_dir), "progress_bar": False, "wandb": False},
     }
     for key, value in overrides.items():
         section, name = key.split("__")

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from engine.runtime.checkpoint import (
+from engine.run.checkpoint import (
     OutputDirError,
     _write_manifest,
     checkpoint_bytes,

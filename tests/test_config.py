@@ -4,23 +4,31 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import pytest
 
-from engine.config import ConfigError, config_to_dict, load_config, option, parse_overrides, required, section
+from engine.config import (
+    Config,
+    ConfigError,
+    DeepSpeedDict,
+    config_to_dict,
+    load_config,
+    option,
+    parse_overrides,
+    required,
+    section,
+)
 
 
-@dataclass
-class PPOSection:
+class PPOSection(Config):
     clip_ratio: float = option(0.2, "PPO clip range")
     ppo_epochs: int = option(1, "epochs over each rollout batch")
     kl_estimator: Literal["k1", "k2", "k3"] = option("k1", "KL estimator")
     rollout_batch_size: int = option(8, "prompts per rollout")
     mini_batch_size: int = option(4, "prompts per optimizer step")
 
-    def __post_init__(self):
+    def check(self) -> None:
         if self.rollout_batch_size % self.mini_batch_size:
             raise ConfigError(
                 f"rollout_batch_size ({self.rollout_batch_size}) "
@@ -28,8 +36,7 @@ class PPOSection:
             )
 
 
-@dataclass
-class RunConfig:
+class RunConfig(Config):
     model: str = option("", "model path")
     seed: int = option(0, "seed")
     use_kl: bool = option(False, "KL in reward")
@@ -37,7 +44,7 @@ class RunConfig:
     tags: list[str] = option([], "run tags")
     eval_every: int | None = option(None, "eval period")
     ppo: PPOSection = section(PPOSection, "PPO hyper-parameters")
-    deepspeed: dict[str, Any] = option({}, "DeepSpeed config, inline or a path")
+    deepspeed: DeepSpeedDict = option({}, "DeepSpeed config, inline or a path")
 
 
 def write(tmp_path, data, name="run.json"):
@@ -158,14 +165,12 @@ def test_deepspeed_inline_or_path(tmp_path):
     assert via_cli.deepspeed["zero_optimization"]["stage"] == 2
 
 
-@dataclass
-class WithRequired:
+class WithRequired(Config):
     path: str = required("model path")
     seed: int = option(0, "seed")
 
 
-@dataclass
-class Outer:
+class Outer(Config):
     model: WithRequired = required("model section")
     extra: int = option(1, "extra")
 

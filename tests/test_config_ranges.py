@@ -3,16 +3,17 @@ the JSON Schema export agrees with the loader and ships with the project."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
-import typing
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
 import pytest
 
-from engine.config import DS_CONFIGS_DIR, ConfigError, build_config
+from engine.config import DS_CONFIGS_DIR, Config, ConfigError, build_config, config_to_dict
 from engine.run_config import SCRIPT_CONFIGS, PPOConfig, RewardModelConfig, SFTConfig, schemas
 
 DS = {"zero_optimization": {"stage": 3}}
@@ -56,12 +57,12 @@ BOUNDARY_VALUES = [
 
 def leaf_fields(cls: type, prefix: str = "") -> list[str]:
     """Dotted names of every non-section field of a config class."""
-    hints, out = typing.get_type_hints(cls), []
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            out += leaf_fields(hints[f.name], f"{prefix}{f.name}.")
-        elif f.name != "deepspeed":
-            out.append(prefix + f.name)
+    out = []
+    for name, f in cls.model_fields.items():
+        if isinstance(f.annotation, type) and issubclass(f.annotation, Config):
+            out += leaf_fields(f.annotation, f"{prefix}{name}.")
+        elif name != "deepspeed":
+            out.append(prefix + name)
     return out
 
 
@@ -219,10 +220,32 @@ def test_tensor_parallel_rollout_refuses_what_it_cannot_do(monkeypatch):
     tp = lambda n, **rollout: MINIMAL[PPOConfig] | {"rollout": {"tensor_parallel_size": n, **rollout}}
     with pytest.raises(ConfigError, match="'tensor_parallel_size' 2 needs sampler vllm"):
         build_config(PPOConfig, tp(2, sampler="hf"), source="run.json")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size \(4\) must divide the 2 ranks"):
-        build_config(PPOConfig, tp(4), source="run.json")
-    assert build_config(PPOConfig, tp(2), source="run.json").rollout.tensor_parallel_size == 2
+    monkeypatch.setenv("WORLD_SIZE", "2")  # loading reads no environment: the started run checks its world size
+    cfg = build_config(PPOConfig, tp(4), source="run.json")
+    with pytest.raises(
+        ConfigError, match=r"^run.json: config: rollout.tensor_parallel_size \(4\) must divide the 2 ranks"
+    ):
+        cfg.check_world_size(2)
+    build_config(PPOConfig, tp(2), source="run.json").check_world_size(2)
+
+
+def test_world_size_checks_happen_when_the_run_starts(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    data = MINIMAL[PPOConfig] | {"rollout": {"prompts_per_iteration": 4}, "ppo": {"mini_batch_size": 2}}
+    cfg = build_config(PPOConfig, data, source="run.json")
+    before = config_to_dict(cfg)
+    with pytest.raises(ConfigError, match=r"rollout.prompts_per_iteration \(4\) must divide over 3 ranks"):
+        cfg.check_world_size(3)
+    cfg.check_world_size(2)
+    with pytest.raises(
+        ConfigError, match=r"must divide the rollout batch, .* \(4 x 1 = 4\), and be divisible by 4 ranks"
+    ):
+        build_config(PPOConfig, data | {"ppo": {"mini_batch_size": 1}}, source="run.json").check_world_size(4)
+    assert config_to_dict(cfg) == before  # checking changes nothing
+    with pytest.raises(
+        ConfigError, match=r"^run.json: config: ppo.mini_batch_size \(3\) must divide the rollout batch"
+    ):
+        build_config(PPOConfig, data | {"ppo": {"mini_batch_size": 3}}, source="run.json")  # on any number of ranks
 
 
 def test_old_logprobs_from_the_sampler_need_fp32():
@@ -230,3 +253,19 @@ def test_old_logprobs_from_the_sampler_need_fp32():
     assert build_config(PPOConfig, fine, source="run.json").ppo.old_logprobs_from == "sampler"
     with pytest.raises(ConfigError, match=r"ppo.old_logprobs_from sampler needs fp32 weights \(actor.bf16 false\)"):
         build_config(PPOConfig, fine | {"actor": {**MINIMAL[PPOConfig]["actor"], "bf16": True}}, source="run.json")
+
+
+def test_the_launched_script_checks_the_world_size_when_it_starts():
+    """engine/run/launch.start_run calls check_world_size with the run's world size (here a dry run's WORLD_SIZE)."""
+    result = subprocess.run(
+        [sys.executable, "train/train_ppo.py", "--config", "ds_configs/demo_ppo.json", "--dry-run"],
+        cwd=Path(DS_CONFIGS_DIR).parent,
+        env={**os.environ, "WORLD_SIZE": "3"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    message = (
+        "config error: ds_configs/demo_ppo.json: config: rollout.prompts_per_iteration (16) must divide over 3 ranks"
+    )
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]

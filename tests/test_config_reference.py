@@ -2,24 +2,25 @@
 
 from __future__ import annotations
 
-import dataclasses
-import typing
 from pathlib import Path
 
+from pydantic.fields import FieldInfo
+
+from engine.config import Config
 from engine.config_reference import REGENERATE, reference
 from engine.run_config import SCRIPT_CONFIGS
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def dotted_keys(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Field]]:
-    """(dotted key, field) of every leaf field of a config class, read from the dataclasses themselves."""
-    keys, hints = [], typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            keys += dotted_keys(hints[f.name], f"{prefix}{f.name}.")
+def dotted_keys(cls: type[Config], prefix: str = "") -> list[tuple[str, FieldInfo]]:
+    """(dotted key, field) of every leaf field of a config class, read from the models themselves."""
+    keys = []
+    for name, f in cls.model_fields.items():
+        if isinstance(f.annotation, type) and issubclass(f.annotation, Config):
+            keys += dotted_keys(f.annotation, f"{prefix}{name}.")
         else:
-            keys.append((prefix + f.name, f))
+            keys.append((prefix + name, f))
     return keys
 
 
@@ -36,7 +37,9 @@ def test_every_key_of_every_script_has_a_row_with_its_description():
         for key, f in dotted_keys(cls):
             row = next((line for line in part.splitlines() if line.startswith(f"| `{key}` |")), None)
             assert row is not None, f"{script}: no row for {key}"
-            assert f.metadata["help"].replace("|", "\\|") in row, f"{script}: {key} without its description"
+            assert f.description and f.description.replace("|", "\\|") in row, (
+                f"{script}: {key} without its description"
+            )
 
 
 def test_rows_state_type_default_and_range():

@@ -23,12 +23,12 @@ def test_cpu_threads_is_the_first_import(script):
         for n in tree.body
         if isinstance(n, (ast.Import, ast.ImportFrom)) and getattr(n, "module", None) != "__future__"
     ]
-    assert isinstance(imports[0], ast.Import) and imports[0].names[0].name == "engine.runtime.cpu_threads"
+    assert isinstance(imports[0], ast.Import) and imports[0].names[0].name == "engine.run.cpu_threads"
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="the policy is left alone on GPU machines")
 def test_active_wait_policy_on_cpu_unless_the_user_chose_one():
-    probe = "import engine.runtime.cpu_threads, os, torch; print(os.environ.get('OMP_WAIT_POLICY'))"
+    probe = "import engine.run.cpu_threads, os, torch; print(os.environ.get('OMP_WAIT_POLICY'))"
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     run = lambda extra: subprocess.run(
         [sys.executable, "-c", probe], env={**env, **extra}, capture_output=True, text=True, check=True
@@ -39,7 +39,7 @@ def test_active_wait_policy_on_cpu_unless_the_user_chose_one():
 
 PROBE_CONFINED = """
 import ctypes, threading, torch
-from engine.runtime.cpu_threads import _loaded_library, confine_openmp_to_this_thread
+from engine.run.cpu_threads import _loaded_library, confine_openmp_to_this_thread
 torch.set_num_threads(2)
 confine_openmp_to_this_thread()
 seen = []

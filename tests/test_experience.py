@@ -8,10 +8,10 @@ from transformers import AutoTokenizer
 
 from engine.data import packing
 from engine.data.packing import packed_forward
+from engine.models.loading import load_causal_lm, load_value_model
 from engine.ppo.experience import OldLogprobSource, make_experience, micro_batches, response_logprobs, response_values
 from engine.ppo.rewards import RewardScorer
 from engine.rollout.sampler import Sample
-from engine.runtime.models import load_causal_lm, load_value_model
 
 PROMPT_LENS, RESPONSE_LENS = [6, 3, 9, 4], [5, 8, 2, 6]
 

@@ -7,7 +7,7 @@ import math
 import pytest
 from helpers import faults, launch, metric_series, read_events, write_rm_config
 
-from engine.runtime.guards import KLGuard, NonFiniteGuard, RollbackGuard, TrainingAborted
+from engine.run.guards import KLGuard, NonFiniteGuard, RollbackGuard, TrainingAborted
 
 
 def test_nonfinite_guard_counts_and_aborts_after_n_in_a_row():

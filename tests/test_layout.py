@@ -9,12 +9,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 # Lowest first. A module may import from its own layer's package and from layers below it; sft, rm
 # and ppo are peers that never import each other. engine/config.py and engine/run_config.py (the config
-# schema) sit under everything; train/ sits on top.
+# schema) sit under everything; train/ sits on top. The models (loading, LoRA, DeepSpeed engines) sit under the
+# run (process group, launch, lifecycle, checkpoints, guards) that drives them.
 LAYERS = [
     ("engine.config", "engine.run_config"),
     ("engine.data",),
     ("engine.observe",),
-    ("engine.runtime",),
+    ("engine.models",),
+    ("engine.run",),
     ("engine.rollout",),
     ("engine.sft", "engine.rm", "engine.ppo"),
     ("train",),
@@ -34,8 +36,8 @@ def is_module(name: str, root: Path = REPO) -> bool:
 def engine_imports(path: Path, root: Path = REPO) -> set[str]:
     """Every engine module ``path`` imports (at any depth of the file, type-checking imports included).
 
-    ``from X import name`` imports the module ``X.name`` when there is one (``from engine.runtime import
-    faults``), else ``X`` (``from engine.runtime.faults import nan_loss_at``); relative imports count too."""
+    ``from X import name`` imports the module ``X.name`` when there is one (``from engine.run import
+    faults``), else ``X`` (``from engine.run.faults import nan_loss_at``); relative imports count too."""
     me = module_name(path, root)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     found = set()

@@ -1,4 +1,4 @@
-"""engine/runtime/lifecycle.py: refusals that protect a run, the resume registry, rollback restore.
+"""engine/run/lifecycle.py: refusals that protect a run, the resume registry, rollback restore.
 
 Unit tests run a real DeepSpeed engine (a tiny linear model, ZeRO-2) in this process; the
 refusals are also checked through the real launcher on a finished train_rm.py run.
@@ -18,9 +18,9 @@ import torch
 from helpers import launch, metric_series, read_events, run_script
 
 from engine.config import DS_CONFIGS_DIR
-from engine.runtime.guards import RollbackGuard, Stateful
-from engine.runtime.launch import RunArgs, RunRefused
-from engine.runtime.lifecycle import RunLifecycle, existing_run
+from engine.run.guards import RollbackGuard, Stateful
+from engine.run.launch import RunArgs, RunRefused
+from engine.run.lifecycle import RunLifecycle, existing_run
 
 
 @dataclass
@@ -38,7 +38,7 @@ def snapshot(root: Path) -> dict[str, tuple[int, str]]:
 
 
 def make_engine(seed: int):
-    from engine.runtime.deepspeed_glue import initialize_training_engine, training_ds_config
+    from engine.models.deepspeed_glue import initialize_training_engine, training_ds_config
 
     torch.manual_seed(seed)
     with open(os.path.join(DS_CONFIGS_DIR, "tiny_cpu_zero2.json")) as f:
@@ -254,7 +254,7 @@ class RunsCode:
 
 
 def test_a_checkpoint_that_would_run_code_is_refused(deepspeed_ready, tmp_path):
-    from engine.runtime.checkpoint import _write_manifest
+    from engine.run.checkpoint import _write_manifest
 
     engine = make_engine(0)
     run = make_run(tmp_path / "run")

@@ -1,4 +1,4 @@
-"""engine/runtime/lora.py and the merged weights the LoRA sync sends (engine/runtime/hf_weights.py) on a
+"""engine/models/lora.py and the merged weights the LoRA sync sends (engine/models/hf_weights.py) on a
 real PEFT model: the merged weights are the adapted model's, the disabled adapters are the base."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from engine.data.packing import pack_sequences, packed_forward
+from engine.models.hf_weights import hf_weight_buckets
+from engine.models.loading import load_causal_lm, load_value_model
+from engine.models.lora import adapters_disabled, add_adapters
 from engine.run_config import LoraSection
-from engine.runtime.hf_weights import hf_weight_buckets
-from engine.runtime.lora import adapters_disabled, add_adapters
-from engine.runtime.models import load_causal_lm, load_value_model
 
 PACKED = pack_sequences([[5, 6, 7, 8, 9, 10], [11, 12, 13]])
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import launcher_cmd, run_launched
 
-from engine.runtime.models import load_causal_lm
+from engine.models.loading import load_causal_lm
 
 REPO = Path(__file__).resolve().parent.parent
 

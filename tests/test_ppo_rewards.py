@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from engine.models.loading import load_value_model
 from engine.ppo.rewards import RewardScorer, load_rule
-from engine.runtime.models import load_value_model
 
 
 def shouting_rule(prompt: list[dict[str, str]], response: str) -> float:

@@ -111,10 +111,10 @@ def test_each_setting_changes_its_term_of_the_actor_loss():
 
 def make_engines(tiny_model_dir, seed: int, ds_file: str = "tiny_cpu_zero2.json", lora_rank: int = 0):
     """A DeepSpeed actor and critic from the tiny model (``lora_rank``: the actor trains LoRA adapters)."""
+    from engine.models.deepspeed_glue import initialize_training_engine, training_ds_config
+    from engine.models.loading import load_causal_lm, load_value_model
+    from engine.models.lora import add_adapters
     from engine.run_config import LoraSection
-    from engine.runtime.deepspeed_glue import initialize_training_engine, training_ds_config
-    from engine.runtime.lora import add_adapters
-    from engine.runtime.models import load_causal_lm, load_value_model
 
     with open(os.path.join(DS_CONFIGS_DIR, ds_file)) as f:
         ds_config = training_ds_config(json.load(f), bf16=False)
@@ -278,7 +278,7 @@ def test_values_from_the_first_critic_step_equal_an_experience_forward(deepspeed
 
 
 def test_dropout_anywhere_means_train_mode_differs(tiny_model_dir):
-    from engine.runtime.models import load_value_model, trains_as_it_evaluates
+    from engine.models.loading import load_value_model, trains_as_it_evaluates
 
     model = load_value_model(str(tiny_model_dir), ["value"])
     assert trains_as_it_evaluates(model)

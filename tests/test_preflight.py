@@ -1,4 +1,4 @@
-"""engine/runtime/preflight.py and the data-file checks: what a run names is checked before any
+"""engine/run/preflight.py and the data-file checks: what a run names is checked before any
 model loads, and refused by config key, not with a traceback."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from engine.data.chat import prompt_ids
 from engine.data.errors import DataFileError
 from engine.data.preferences import load_preferences, pairs_that_fit
 from engine.data.prompts import load_prompts, prompts_that_fit
+from engine.run.launch import RunRefused
+from engine.run.preflight import check_lora_targets, check_reward_model, check_vllm_can_run, load_tokenizer
 from engine.run_config import LoraSection
-from engine.runtime.launch import RunRefused
-from engine.runtime.preflight import check_lora_targets, check_reward_model, check_vllm_can_run, load_tokenizer
 
 
 def test_tokenizer_must_exist_and_carry_a_chat_template(tiny_model_dir, tmp_path):

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer
 
 from engine.data.preferences import load_preferences
+from engine.models.loading import load_value_model
 from engine.rm.reward_model import evaluate_pairs, score_pairs
-from engine.runtime.models import load_value_model
 
 COMPONENTS, WEIGHTS = ["helpful", "harmless"], torch.tensor([0.7, 0.3])
 

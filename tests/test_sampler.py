@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.models.loading import load_causal_lm
 from engine.rollout.sampler import HFSampler, SamplingSettings
-from engine.runtime.models import load_causal_lm
 
 
 def naive_greedy(model, prompt: list[int], max_new_tokens: int, eos: int) -> tuple[list[int], list[float]]:

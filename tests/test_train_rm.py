@@ -25,11 +25,11 @@ from helpers import (
 from transformers import AutoTokenizer
 
 from engine.data.preferences import load_preferences
+from engine.models.loading import load_value_model
 from engine.observe.records import read_records
 from engine.observe.report import expected_plots
 from engine.rm.losses import pair_losses
 from engine.rm.reward_model import PairStats, score_pairs
-from engine.runtime.models import load_value_model
 
 COMPONENTS = RM_COMPONENTS
 STEPS = RM_STEPS

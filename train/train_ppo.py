@@ -14,7 +14,7 @@ start or resume the run -> held-out evaluation of the start -> loop: generate ->
 
 from __future__ import annotations
 
-import engine.runtime.cpu_threads  # noqa: F401 -- first: OpenMP's wait policy, before torch loads libgomp
+import engine.run.cpu_threads  # noqa: F401 -- first: OpenMP's wait policy, before torch loads libgomp
 
 # isort: split
 import os
@@ -29,15 +29,7 @@ from engine.data.batching import epoch_order
 from engine.data.chat import prompt_ids
 from engine.data.errors import DataFileError
 from engine.data.prompts import load_prompts, prompts_that_fit
-from engine.ppo.evaluation import HeldOutEvaluator
-from engine.ppo.experience import OldLogprobSource, make_experience
-from engine.ppo.losses import AdaptiveKLController, FixedKLController
-from engine.ppo.monitors import HackingMonitor
-from engine.ppo.rewards import RewardScorer
-from engine.ppo.update import GaeSettings, PolicyLossSettings, global_token_count, update_on_rollout
-from engine.rollout.sampler import HFSampler, SamplingSettings, VLLMSampler
-from engine.run_config import PPOConfig
-from engine.runtime.deepspeed_glue import (
+from engine.models.deepspeed_glue import (
     describe_engine,
     frozen_engine,
     inference_ds_config,
@@ -46,15 +38,23 @@ from engine.runtime.deepspeed_glue import (
     save_hf_model,
     training_ds_config,
 )
-from engine.runtime.distributed import accelerator_memory_metrics, mean_over_ranks
-from engine.runtime.dry_run import ppo_plan
-from engine.runtime.faults import eval_reward_offset, nan_loss_at
-from engine.runtime.guards import KLGuard, NonFiniteGuard, RollbackGuard
-from engine.runtime.launch import run_main, start_run
-from engine.runtime.lifecycle import RunEnded, RunLifecycle
-from engine.runtime.lora import ReferenceView, adapters_disabled, add_adapters
-from engine.runtime.models import load_causal_lm, load_value_model, trains_as_it_evaluates
-from engine.runtime.preflight import check_lora_targets, check_reward_model, check_vllm_can_run, load_tokenizer
+from engine.models.loading import load_causal_lm, load_value_model, trains_as_it_evaluates
+from engine.models.lora import ReferenceView, adapters_disabled, add_adapters
+from engine.ppo.evaluation import HeldOutEvaluator
+from engine.ppo.experience import OldLogprobSource, make_experience
+from engine.ppo.losses import AdaptiveKLController, FixedKLController
+from engine.ppo.monitors import HackingMonitor
+from engine.ppo.rewards import RewardScorer
+from engine.ppo.update import GaeSettings, PolicyLossSettings, global_token_count, update_on_rollout
+from engine.rollout.sampler import HFSampler, SamplingSettings, VLLMSampler
+from engine.run.distributed import accelerator_memory_metrics, mean_over_ranks
+from engine.run.dry_run import ppo_plan
+from engine.run.faults import eval_reward_offset, nan_loss_at
+from engine.run.guards import KLGuard, NonFiniteGuard, RollbackGuard
+from engine.run.launch import run_main, start_run
+from engine.run.lifecycle import RunEnded, RunLifecycle
+from engine.run.preflight import check_lora_targets, check_reward_model, check_vllm_can_run, load_tokenizer
+from engine.run_config import PPOConfig
 
 
 class HybridEngine(NamedTuple):
@@ -64,7 +64,7 @@ class HybridEngine(NamedTuple):
     critic: Any  # trained; None with a critic-free advantage estimator
     ref: Any  # frozen: the actor's starting weights (LoRA: the actor with its adapters disabled)
     reward_model: Any  # frozen
-    keep_alive: Any  # hold while the engines live (engine/runtime/deepspeed_glue.load_partitioned)
+    keep_alive: Any  # hold while the engines live (engine/models/deepspeed_glue.load_partitioned)
 
 
 def build_hybrid_engine(cfg: PPOConfig, ds_config: dict) -> HybridEngine:

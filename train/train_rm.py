@@ -11,7 +11,7 @@ evaluation -> HF model with reward statistics -> report.
 
 from __future__ import annotations
 
-import engine.runtime.cpu_threads  # noqa: F401 -- first: OpenMP's wait policy, before torch loads libgomp
+import engine.run.cpu_threads  # noqa: F401 -- first: OpenMP's wait policy, before torch loads libgomp
 
 # isort: split
 import os
@@ -25,24 +25,24 @@ from engine.data.batching import epoch_order, epoch_schedule, plan_global, token
 from engine.data.errors import DataFileError
 from engine.data.packing import dummy_forward_loss
 from engine.data.preferences import PreferenceExample, collate_pairs, load_preferences, pairs_that_fit
-from engine.rm.losses import pair_losses
-from engine.rm.reward_model import PairStats, evaluate_pairs, score_pairs
-from engine.run_config import RewardModelConfig
-from engine.runtime.deepspeed_glue import (
+from engine.models.deepspeed_glue import (
     describe_engine,
     initialize_training_engine,
     load_partitioned,
     save_hf_model,
     training_ds_config,
 )
-from engine.runtime.distributed import accelerator_memory_metrics
-from engine.runtime.dry_run import rm_plan
-from engine.runtime.faults import nan_loss_at
-from engine.runtime.guards import NonFiniteGuard
-from engine.runtime.launch import run_main, start_run
-from engine.runtime.lifecycle import RunEnded, RunLifecycle
-from engine.runtime.models import attention_shares_prompts, load_value_model
-from engine.runtime.preflight import load_tokenizer
+from engine.models.loading import attention_shares_prompts, load_value_model
+from engine.rm.losses import pair_losses
+from engine.rm.reward_model import PairStats, evaluate_pairs, score_pairs
+from engine.run.distributed import accelerator_memory_metrics
+from engine.run.dry_run import rm_plan
+from engine.run.faults import nan_loss_at
+from engine.run.guards import NonFiniteGuard
+from engine.run.launch import run_main, start_run
+from engine.run.lifecycle import RunEnded, RunLifecycle
+from engine.run.preflight import load_tokenizer
+from engine.run_config import RewardModelConfig
 
 
 def train_step(
@@ -54,7 +54,7 @@ def train_step(
     poison: bool = False,
 ) -> dict[str, float]:
     """One optimizer step over a global mini-batch of pairs (every rank holds the whole list).
-    ``poison`` multiplies the loss by NaN (fault injection, engine/runtime/faults.py)."""
+    ``poison`` multiplies the loss by NaN (fault injection, engine/run/faults.py)."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     plan = plan_global([e.num_tokens for e in examples], cfg.train.max_tokens_per_micro_batch, world)[rank]
     # Global counts: each loss term is a mean over the whole mini-batch (engine/data/batching.py).

@@ -12,7 +12,7 @@ evaluation -> HF model -> report.
 
 from __future__ import annotations
 
-import engine.runtime.cpu_threads  # noqa: F401 -- first: OpenMP's wait policy, before torch loads libgomp
+import engine.run.cpu_threads  # noqa: F401 -- first: OpenMP's wait policy, before torch loads libgomp
 
 # isort: split
 import os
@@ -25,22 +25,22 @@ from engine.config import config_to_dict
 from engine.data.batching import epoch_order, epoch_schedule
 from engine.data.conversations import Conversation, conversations_that_fit, load_conversations
 from engine.data.errors import DataFileError
-from engine.run_config import SFTConfig
-from engine.runtime.deepspeed_glue import (
+from engine.models.deepspeed_glue import (
     describe_engine,
     initialize_training_engine,
     load_partitioned,
     save_hf_model,
     training_ds_config,
 )
-from engine.runtime.distributed import accelerator_memory_metrics
-from engine.runtime.dry_run import sft_plan
-from engine.runtime.faults import nan_loss_at
-from engine.runtime.guards import NonFiniteGuard
-from engine.runtime.launch import run_main, start_run
-from engine.runtime.lifecycle import RunEnded, RunLifecycle
-from engine.runtime.models import load_causal_lm
-from engine.runtime.preflight import load_tokenizer
+from engine.models.loading import load_causal_lm
+from engine.run.distributed import accelerator_memory_metrics
+from engine.run.dry_run import sft_plan
+from engine.run.faults import nan_loss_at
+from engine.run.guards import NonFiniteGuard
+from engine.run.launch import run_main, start_run
+from engine.run.lifecycle import RunEnded, RunLifecycle
+from engine.run.preflight import load_tokenizer
+from engine.run_config import SFTConfig
 from engine.sft.causal_lm import evaluate_conversations, sft_step
 
 

@@ -21,7 +21,7 @@ from engine.ppo.experience import sequence_logprobs
 from engine.ppo.monitors import repeated_ngrams
 from engine.ppo.rewards import RewardScorer
 from engine.rollout.sampler import Sample, SamplingSettings
-from engine.runtime.distributed import all_reduce
+from engine.run.distributed import all_reduce
 
 POLICY_SEED, REFERENCE_SEED = 10**6, 2 * 10**6  # request seeds (+ rank): independent policy and reference draws
 

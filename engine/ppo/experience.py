@@ -33,7 +33,7 @@ from engine.ppo.losses import (
     token_rewards,
     truncated_is_weights,
 )
-from engine.runtime.distributed import agree_max
+from engine.run.distributed import agree_max
 
 if TYPE_CHECKING:
     from engine.rollout.sampler import Sample

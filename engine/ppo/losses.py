@@ -12,7 +12,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from engine.runtime.distributed import all_reduce
+from engine.run.distributed import all_reduce
 
 KLEstimator = Literal["k1", "k2", "k3"]
 AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_pp"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.runtime.guards import Stateful
+from engine.run.guards import Stateful
 
 
 def repeated_ngrams(ids: Sequence[int], n: int) -> tuple[int, int]:

@@ -26,7 +26,7 @@ from engine.ppo.losses import (
     gae,
     kl_penalty,
 )
-from engine.runtime.distributed import all_reduce
+from engine.run.distributed import all_reduce
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def actor_step(
     share_prompts: bool = True,
 ) -> dict[str, float]:
     """Clipped (or dual-clip) PPO policy loss [+ KL loss - entropy bonus]; returns summed stats.
-    ``poison`` multiplies the loss by NaN (fault injection, engine/runtime/faults.py)."""
+    ``poison`` multiplies the loss by NaN (fault injection, engine/run/faults.py)."""
     world = torch.distributed.get_world_size()
     scale = token_mean_scale(global_token_count(batch.mask), world)
     names = actor_metric_names(settings)

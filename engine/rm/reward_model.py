@@ -10,7 +10,7 @@ from engine.data.batching import plan_global
 from engine.data.packing import dummy_forward_loss, last_token, packed_forward
 from engine.data.preferences import PreferenceExample, collate_pairs
 from engine.rm.losses import PairLosses, pair_losses, weighted_total
-from engine.runtime.distributed import all_reduce
+from engine.run.distributed import all_reduce
 
 
 def score_pairs(model, examples: Sequence[PreferenceExample]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from engine.runtime.checkpoint import rng_state, set_rng_state
-from engine.runtime.cpu_threads import confine_openmp_to_this_thread
+from engine.run.checkpoint import rng_state, set_rng_state
+from engine.run.cpu_threads import confine_openmp_to_this_thread
 
 
 @dataclass(frozen=True)

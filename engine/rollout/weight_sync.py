@@ -1,5 +1,5 @@
 """Actor (ZeRO-3, partitioned) -> colocated vLLM weights, one whole decoder layer per bucket
-(engine/runtime/hf_weights.py).
+(engine/models/hf_weights.py).
 
 Memory stays bounded: only one decoder layer's parameters are gathered at a time. Whole
 modules per bucket because vLLM fuses q/k/v and gate/up: sending q_proj alone silently
@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from engine.runtime.hf_weights import hf_weight_buckets
+from engine.models.hf_weights import hf_weight_buckets
 
 
 def push_weights_to_vllm(module: torch.nn.Module, llm) -> None:

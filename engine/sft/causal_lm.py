@@ -19,7 +19,7 @@ import torch
 from engine.data.batching import plan_global, token_mean_scale
 from engine.data.conversations import Conversation
 from engine.data.packing import PackedBatch, dummy_forward_loss, pack_sequences, packed_forward, target_logprobs
-from engine.runtime.distributed import all_reduce
+from engine.run.distributed import all_reduce
 
 
 def trained_positions(packed: PackedBatch, conversations: Sequence[Conversation]) -> torch.Tensor:
@@ -66,7 +66,7 @@ def sft_step(
 ) -> dict[str, float]:
     """One optimizer step over a global mini-batch (every rank holds the whole list; each packs
     its share into token-budget micro-batches). ``poison`` multiplies the loss by NaN (fault
-    injection, engine/runtime/faults.py)."""
+    injection, engine/run/faults.py)."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     scale = token_mean_scale(sum(c.num_trained for c in conversations), world)
     stats = TokenStats()

@@ -13,11 +13,11 @@ import sys
 import torch
 
 from engine.data.packing import last_token, pack_sequences, packed_forward
+from engine.models.loading import load_causal_lm, load_value_model, resolve_attention
 from engine.ppo.experience import response_logprobs, response_values
 from engine.rollout.sampler import HFSampler, SamplingSettings
-from engine.runtime.checkpoint import rng_state, set_rng_state
-from engine.runtime.distributed import all_reduce
-from engine.runtime.models import load_causal_lm, load_value_model, resolve_attention
+from engine.run.checkpoint import rng_state, set_rng_state
+from engine.run.distributed import all_reduce
 
 failures: list[str] = []  # names of the failed checks
 

@@ -23,8 +23,8 @@ from varlen_attention import torch_varlen  # tests/gpu, this script's directory
 
 from engine.data import packing
 from engine.data.packing import pack_sequences, packed_forward
-from engine.runtime.deepspeed_glue import initialize_training_engine, training_ds_config
-from engine.runtime.models import load_causal_lm
+from engine.models.deepspeed_glue import initialize_training_engine, training_ds_config
+from engine.models.loading import load_causal_lm
 
 SEQS, LEN, REPS = 64, 128, 5
 

@@ -3,7 +3,7 @@
     python tests/scripts/ds_config_steps.py MODEL_DIR DS_CONFIG [DS_CONFIG ...] [--steps 3] [--save-weights DIR]
 
 Each config goes the way the train scripts take it (engine/run_config.py and
-engine/runtime/deepspeed_glue.py): dtype resolved from its ``bf16`` section, adapted by
+engine/models/deepspeed_glue.py): dtype resolved from its ``bf16`` section, adapted by
 ``training_ds_config``, weights loaded partitioned, torch AdamW in ``initialize_training_engine``.
 The configs run one after another in this process (one start-up for all).
 
@@ -29,15 +29,15 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from engine.config import DS_CONFIGS_DIR
-from engine.run_config import resolve_deepspeed_dtype
-from engine.runtime.deepspeed_glue import (
+from engine.models.deepspeed_glue import (
     describe_engine,
     full_state_dict,
     initialize_training_engine,
     load_partitioned,
     training_ds_config,
 )
-from engine.runtime.distributed import init_distributed, shutdown_distributed
+from engine.run.distributed import init_distributed, shutdown_distributed
+from engine.run_config import resolve_deepspeed_dtype
 
 GLOBAL_BATCH, SEQ_LEN = 4, 16
 

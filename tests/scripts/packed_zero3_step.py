@@ -19,8 +19,8 @@ from sgd_engine import full_weights, launched_args, sgd_engine
 
 from engine.data.batching import plan_global, token_mean_scale
 from engine.data.packing import next_token_logprobs, pack_sequences, packed_forward
-from engine.runtime.distributed import shutdown_distributed
-from engine.runtime.models import load_causal_lm
+from engine.models.loading import load_causal_lm
+from engine.run.distributed import shutdown_distributed
 
 # (sequence lengths, max_tokens): mixed lengths; and one where a rank gets an empty micro-batch.
 CASES = [([7, 1, 23, 12, 2, 30, 9], 40), ([30, 30, 30], 32)]

@@ -15,7 +15,7 @@ import torch
 from transformers.integrations import HfDeepSpeedConfig
 
 from engine.config import DS_CONFIGS_DIR
-from engine.runtime.distributed import init_distributed
+from engine.run.distributed import init_distributed
 
 
 def launched_args(*positional: str) -> tuple[argparse.Namespace, int, int]:

@@ -26,12 +26,12 @@ from transformers import AutoTokenizer
 from engine.data.batching import plan_global, token_mean_scale
 from engine.data.packing import dummy_forward_loss
 from engine.data.preferences import collate_pairs, load_preferences
+from engine.models.loading import load_causal_lm, load_value_model
 from engine.ppo.experience import Experience, micro_batches, pad_right, sequence_logprobs
 from engine.ppo.update import PolicyLossSettings, actor_step, critic_step
 from engine.rm.losses import pair_losses
 from engine.rm.reward_model import score_pairs
-from engine.runtime.distributed import all_reduce, shutdown_distributed
-from engine.runtime.models import load_causal_lm, load_value_model
+from engine.run.distributed import all_reduce, shutdown_distributed
 
 COMPONENTS = ["helpful", "harmless"]
 WEIGHTS = torch.tensor([1.0, 1.0])

@@ -21,12 +21,12 @@ from transformers import AutoTokenizer
 
 from engine.config import DS_CONFIGS_DIR
 from engine.data.packing import next_token_logprobs, pack_sequences, packed_forward
+from engine.models.deepspeed_glue import initialize_training_engine, load_partitioned, training_ds_config
+from engine.models.loading import load_causal_lm
+from engine.models.lora import adapters_disabled, add_adapters
 from engine.rollout.sampler import HFSampler, SamplingSettings, VLLMSampler
+from engine.run.distributed import init_distributed, shutdown_distributed
 from engine.run_config import LoraSection
-from engine.runtime.deepspeed_glue import initialize_training_engine, load_partitioned, training_ds_config
-from engine.runtime.distributed import init_distributed, shutdown_distributed
-from engine.runtime.lora import adapters_disabled, add_adapters
-from engine.runtime.models import load_causal_lm
 
 GREEDY = SamplingSettings(n=1, temperature=0.0, top_p=1.0, max_new_tokens=12)
 QUESTIONS = ["Tell me about the garden in Alder.", "What do you think of the river in Cobton?", "Hello"]

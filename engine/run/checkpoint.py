@@ -31,50 +31,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-from deepspeed.runtime.fp16.loss_scaler import LossScaler
-from deepspeed.runtime.zero.config import ZeroStageEnum
-from deepspeed.utils.tensor_fragment import fragment_address
 
-from engine.runtime import faults
-from engine.runtime.distributed import all_reduce
+from engine.run import faults
+from engine.run.distributed import all_reduce
 
 MANIFEST = "MANIFEST.json"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step(\d{8})$")
-
-
-# The only non-tensor types in DeepSpeed 0.19's checkpoint files (ZeRO-1/2/3, fp32/bf16, offload),
-# found with torch.serialization.get_unsafe_globals_in_checkpoint.
-DEEPSPEED_STATE_TYPES = [LossScaler, ZeroStageEnum, fragment_address]
-
-
-class GuardedCheckpointEngine(TorchCheckpointEngine):
-    """DeepSpeed's torch checkpoint engine, with two changes (installed by
-    engine/runtime/deepspeed_glue.initialize_training_engine):
-
-    * ``load`` unpickles with ``weights_only=True`` and only :data:`DEEPSPEED_STATE_TYPES`
-      allowed, so a checkpoint cannot run code (DeepSpeed 0.19 loads with ``weights_only=False``);
-    * a failed ``save`` (disk full, file-size limit: torch's zip writer raises RuntimeError such as
-      "basic_ios::clear: iostream error", not OSError) is recorded in ``write_error`` and the
-      remaining writes are skipped, so every rank still makes the collectives of DeepSpeed's save
-      and :func:`save_checkpoint` can agree on the failure instead of hanging.
-    """
-
-    def __init__(self, config_params=None):
-        super().__init__(config_params)
-        self.write_error: Exception | None = None
-
-    def save(self, state_dict, path: str) -> None:
-        if self.write_error is None:
-            try:
-                super().save(state_dict, path)
-            except Exception as e:
-                self.write_error = e
-
-    def load(self, path: str, map_location=None):
-        with torch.serialization.safe_globals(DEEPSPEED_STATE_TYPES):
-            return torch.load(path, map_location=map_location, weights_only=True)
 
 
 class CheckpointWriteError(OSError):
@@ -256,9 +219,8 @@ def load_checkpoint(
                 load_lr_scheduler_states=True,
                 load_module_strict=not has_frozen_parameters(engine),
             )
-        except (
-            pickle.UnpicklingError
-        ) as e:  # GuardedCheckpointEngine: an object that is not a tensor or DeepSpeed state
+        # GuardedCheckpointEngine (engine/models/deepspeed_glue.py): an object that is not a tensor or DeepSpeed state
+        except pickle.UnpicklingError as e:
             unsafe = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line), str(e).splitlines()[0])
             raise ResumeError(
                 f"{path}: refused to load engine '{name}': its files hold an object that loading would run code for "

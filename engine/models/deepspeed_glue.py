@@ -1,4 +1,5 @@
-"""DeepSpeed glue: one free function per job (config, load, wrap, save). No training logic."""
+"""DeepSpeed glue: one free function per job (config, load, wrap, save), and the checkpoint engine every
+training engine writes and loads its files with. No training logic."""
 
 from __future__ import annotations
 
@@ -11,13 +12,48 @@ from typing import Any, cast
 
 import deepspeed
 import torch
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+from deepspeed.runtime.fp16.loss_scaler import LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils import set_z3_leaf_modules
+from deepspeed.utils.tensor_fragment import fragment_address
 from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 from transformers.integrations import HfDeepSpeedConfig
 
-from engine.runtime.checkpoint import GuardedCheckpointEngine
-from engine.runtime.hf_weights import merged_state_dict
+from engine.models.hf_weights import merged_state_dict
+
+# The only non-tensor types in DeepSpeed 0.19's checkpoint files (ZeRO-1/2/3, fp32/bf16, offload),
+# found with torch.serialization.get_unsafe_globals_in_checkpoint.
+DEEPSPEED_STATE_TYPES = [LossScaler, ZeroStageEnum, fragment_address]
+
+
+class GuardedCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed's torch checkpoint engine, with two changes (installed by
+    :func:`initialize_training_engine`):
+
+    * ``load`` unpickles with ``weights_only=True`` and only :data:`DEEPSPEED_STATE_TYPES`
+      allowed, so a checkpoint cannot run code (DeepSpeed 0.19 loads with ``weights_only=False``);
+    * a failed ``save`` (disk full, file-size limit: torch's zip writer raises RuntimeError such as
+      "basic_ios::clear: iostream error", not OSError) is recorded in ``write_error`` and the
+      remaining writes are skipped, so every rank still makes the collectives of DeepSpeed's save
+      and :func:`engine.run.checkpoint.save_checkpoint` can agree on the failure instead of hanging.
+    """
+
+    def __init__(self, config_params=None):
+        super().__init__(config_params)
+        self.write_error: Exception | None = None
+
+    def save(self, state_dict, path: str) -> None:
+        if self.write_error is None:
+            try:
+                super().save(state_dict, path)
+            except Exception as e:
+                self.write_error = e
+
+    def load(self, path: str, map_location=None):
+        with torch.serialization.safe_globals(DEEPSPEED_STATE_TYPES):
+            return torch.load(path, map_location=map_location, weights_only=True)
 
 
 def training_ds_config(ds_config: dict[str, Any], bf16: bool) -> dict[str, Any]:
@@ -35,7 +71,7 @@ def training_ds_config(ds_config: dict[str, Any], bf16: bool) -> dict[str, Any]:
     cfg["gradient_accumulation_steps"] = 1
     cfg["managed_gradient_accumulation"] = False
     # bf16 ZeRO-1/2 check the gradient for NaN/Inf only when asked (fp32 and ZeRO-3 always do):
-    # a non-finite step is then discarded, which engine/runtime/guards.py counts.
+    # a non-finite step is then discarded, which engine/run/guards.py counts.
     cfg["bf16"] = {"enabled": True, "check_grad_overflow": True} if bf16 else {"enabled": False}
     cfg.setdefault("gradient_clipping", 1.0)
     if zero_stage(cfg) == 3:  # its default replaces torch.nn.functional.linear process-wide (slower on CPU)
@@ -104,8 +140,7 @@ def initialize_training_engine(
     torch's fused AdamW rather than DeepSpeed's: FusedAdam / DeepSpeedCPUAdam are JIT-compiled on
     first use (~100 s each on CPU); ZeRO partitions any torch optimizer. Fused, the update makes
     one pass over the flat partition with no full-size temporaries (an h512 actor + critic step
-    0.28 -> 0.18 s on 2 cores). Checkpoints go through
-    :class:`engine.runtime.checkpoint.GuardedCheckpointEngine`.
+    0.28 -> 0.18 s on 2 cores). Checkpoints go through :class:`GuardedCheckpointEngine`.
     """
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=lr, betas=betas, weight_decay=weight_decay, fused=True

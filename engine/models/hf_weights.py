@@ -3,7 +3,7 @@
 Under ZeRO-3 each bucket is gathered while it is read, so memory stays bounded by one layer
 (the vLLM weight sync, engine/rollout/weight_sync.py, and the export of a LoRA model use it).
 A LoRA model (PEFT) yields its base model's names, each adapted projection merged:
-W + scaling * B @ A (engine/runtime/lora.merged_weight), or W alone while its adapters are
+W + scaling * B @ A (engine/models/lora.merged_weight), or W alone while its adapters are
 disabled.
 """
 
@@ -18,7 +18,7 @@ from peft import PeftModel
 from peft.tuners.lora import Linear as LoraLinear
 from transformers import PreTrainedModel
 
-from engine.runtime.lora import merged_weight
+from engine.models.lora import merged_weight
 
 
 def decoder_layers(module: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:

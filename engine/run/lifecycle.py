@@ -15,7 +15,7 @@ What it guarantees:
   usable checkpoint is refused, saying what was found. Both are decided before any model
   loads, and leave the directory as it was.
 * One source of truth for "the checkpoint to resume": ``checkpoints/latest``
-  (engine/runtime/checkpoint.py).
+  (engine/run/checkpoint.py).
 * Everything that must survive a resume is registered (:meth:`track`): guards, the KL
   controller, monitors, counters. The lifecycle's own state (the step, the learning-rate scale
   the guards applied, the rollback target) and the RNG states are always saved.
@@ -34,9 +34,10 @@ from typing import Any, Protocol
 import torch
 from tqdm import tqdm
 
+from engine.models.deepspeed_glue import scale_learning_rate
 from engine.observe.logger import RunLogger
 from engine.observe.report import write_report
-from engine.runtime.checkpoint import (
+from engine.run.checkpoint import (
     CheckpointWriteError,
     OutputDirError,
     ResumeError,
@@ -49,10 +50,9 @@ from engine.runtime.checkpoint import (
     rewind_to,
     save_checkpoint,
 )
-from engine.runtime.deepspeed_glue import scale_learning_rate
-from engine.runtime.distributed import ranks_not_sharing
-from engine.runtime.guards import NonFiniteGuard, RollbackGuard, TrainingAborted
-from engine.runtime.launch import GracefulStop, RunArgs, RunRefused
+from engine.run.distributed import ranks_not_sharing
+from engine.run.guards import NonFiniteGuard, RollbackGuard, TrainingAborted
+from engine.run.launch import GracefulStop, RunArgs, RunRefused
 
 # What a run writes into its output directory (besides the exported model). --overwrite removes
 # these and nothing else: a user's own files there stay.

@@ -34,7 +34,7 @@ class NonFiniteGuard(Stateful):
 
     DeepSpeed's ZeRO optimizers already discard such a step (no update, no LR-schedule step)
     when the global gradient norm is not finite (fp32; bf16 with ``check_grad_overflow``, which
-    engine/runtime/deepspeed_glue.py turns on): the guard reads ``engine.was_step_applied()``.
+    engine/models/deepspeed_glue.py turns on): the guard reads ``engine.was_step_applied()``.
     """
 
     max_in_a_row: int
