@@ -27,7 +27,7 @@ import torch
 
 from engine.data.packing import pack_sequences, packed_forward
 from engine.models.loading import load_causal_lm, load_value_model
-from engine.ppo.experience import response_logprobs
+from engine.ppo.forwards import response_logprobs
 
 PROMPTS_PER_ITERATION, NEW_TOKENS = 16, 64
 

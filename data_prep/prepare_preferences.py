@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from data_prep.preferences import PreferencePair, parse_preference_row
+from data_prep.preference_rows import PreferencePair, parse_preference_row
 from data_prep.sources import DataError
 from data_prep.splits import (
     MESSAGES,

@@ -8,7 +8,7 @@ Writes ``sft_train.parquet`` and ``sft_validation.parquet`` (columns ``source`` 
 ``messages``, ``num_tokens``, ``trained_tokens``: the assistant's) and ``sft_summary.json`` into
 ``--out``, so they can sit beside the preference files of data_prep/prepare_preferences.py. The
 split is by prompt (the messages before the first assistant turn) and deterministic by seed; a
-split without rows is not written. Row shapes: see data_prep/conversations.py.
+split without rows is not written. Row shapes: see data_prep/conversation_rows.py.
 
 A malformed row stops the run with ``file:line: field 'x': ...``; ``--skip-invalid`` skips and
 counts it instead. Conversations with an empty assistant turn or over ``--max-length`` tokens are
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import pyarrow as pa
 from transformers import AutoTokenizer
 
-from data_prep.conversations import parse_conversation_row
+from data_prep.conversation_rows import parse_conversation_row
 from data_prep.sources import DataError
 from data_prep.splits import (
     MESSAGES,

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from data_prep.preferences import DroppedRow, InvalidRow, Message
+from data_prep.preference_rows import DroppedRow, InvalidRow, Message
 from data_prep.sources import DataError, iter_rows
 
 MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))

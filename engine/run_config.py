@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import Field
 
@@ -22,6 +22,9 @@ MAX_SEED = 2**31 - 1  # numpy seeds stay below 2**32; derived per-rank and per-i
 # DeepSpeed config keys the scripts set themselves (engine/models/deepspeed_glue.training_ds_config):
 # token-budget batching decides the batch, the run config the optimizer, schedule and dtype.
 DEEPSPEED_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+# The names PPO's formulas take (engine/ppo/losses.py), defined once here where the config offers them.
+KLEstimator = Literal["k1", "k2", "k3"]
+AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_pp"]
 
 
 def resolve_deepspeed_dtype(ds_config: dict[str, Any], bf16: bool | None, bf16_key: str) -> bool:
@@ -266,7 +269,7 @@ class PPOSection(Config):
     value_clip: float = option(0.2, "value-function clip range around the old values", gt=0)
     gamma: float = option(1.0, "discount", ge=0, le=1)
     lam: float = option(0.95, "GAE lambda", ge=0, le=1)
-    kl_estimator: Literal["k1", "k2", "k3"] = option(
+    kl_estimator: KLEstimator = option(
         "k1", "estimator of the KL in the reward (k1: the log-ratio, unbiased per token)"
     )
     use_kl_in_reward: bool = option(True, "subtract kl_coef * KL from the per-token reward")
@@ -279,11 +282,11 @@ class PPOSection(Config):
     )
     kl_horizon: int = option(10000, "adaptive KL controller horizon, in samples", ge=1)
     kl_loss_coef: float = option(0.0, "weight of a KL loss term in the actor loss (GRPO style)", ge=0)
-    kl_loss_estimator: Literal["k1", "k2", "k3"] = option(
+    kl_loss_estimator: KLEstimator = option(
         "k3", "estimator of the KL loss (k3: non-negative, low variance; with k1 the loss has ~zero expected gradient)"
     )
     entropy_coef: float = option(0.0, "entropy bonus in the actor loss", ge=0)
-    advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = option(
+    advantage_estimator: AdvantageEstimator = option(
         "gae",
         "gae (with a critic); critic-free, no critic engine: grpo (group mean/std), rloo (leave-one-out), "
         "reinforce_pp (global baseline)",
@@ -355,6 +358,14 @@ class MonitorSection(Config):
     sample_rows: int = option(4, "held-out prompts whose responses go to samples.jsonl at each evaluation", ge=0)
 
 
+class CriticSource(NamedTuple):
+    """The model a PPO critic starts from, and its value head."""
+
+    path: str  # model directory
+    # the value head's outputs; None: the reward model's head, kept (the value is the weighted total of its components)
+    components: list[str] | None
+
+
 class PPOConfig(Config):
     """Config of train/train_ppo.py."""
 
@@ -384,7 +395,7 @@ class PPOConfig(Config):
                 f"ppo.advantage_estimator {estimator} compares the samples of a prompt: "
                 "set rollout.samples_per_prompt >= 2"
             )
-        if estimator != "gae" and self.critic.warmup_iterations:
+        if not self.has_critic() and self.critic.warmup_iterations:
             raise ConfigError(
                 f"critic.warmup_iterations needs a critic, and ppo.advantage_estimator {estimator} has none: "
                 "set it to 0"
@@ -401,6 +412,17 @@ class PPOConfig(Config):
             )
         if self.rollout.prompts_per_iteration * self.rollout.samples_per_prompt % self.ppo.mini_batch_size:
             raise ConfigError(self._mini_batch_rule())
+
+    def has_critic(self) -> bool:
+        """GAE needs a critic; a critic-free ppo.advantage_estimator builds, trains and saves none."""
+        return self.ppo.advantage_estimator == "gae"
+
+    def critic_source(self) -> CriticSource:
+        """Where the critic's weights start (critic.init_from), whether or not the run has one
+        (:meth:`has_critic`): its LoRA targets are checked and the dry run prices what it saves."""
+        if self.critic.init_from == "reward_model":
+            return CriticSource(self.reward_model.path, None)
+        return CriticSource(self.actor.path, ["value"])
 
     def check_world_size(self, world: int) -> None:
         """The batch shapes against the number of ranks."""

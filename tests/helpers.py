@@ -107,15 +107,20 @@ def run_launched(
 def launch(
     script: str, config: Path, *extra: str, ranks: int = 1, env: dict[str, str] | None = None, check: bool = True
 ) -> subprocess.CompletedProcess:
-    """``deepspeed --num_gpus ranks train/<script> --config config extra...``."""
-    return run_launched(
-        [*launcher_cmd(ranks), str(REPO / "train" / script), "--config", str(config), *extra], ranks, env, check
-    )
+    """``deepspeed --num_gpus ranks train/<script> --config config extra...``; one rank runs as
+    ``python train/<script> ...``, which joins a one-rank group itself (engine/run/distributed.py):
+    for one rank the launcher adds ~5 s of start-up and nothing else. The launcher's own paths are
+    tested by the runs of several ranks or nodes, the signal tests (:func:`start_launched`) and the
+    README's commands."""
+    script_cmd = [str(REPO / "train" / script), "--config", str(config), *extra]
+    if ranks == 1:
+        return run_launched([sys.executable, *script_cmd], 1, {"MASTER_PORT": str(free_port()), **(env or {})}, check)
+    return run_launched([*launcher_cmd(ranks), *script_cmd], ranks, env, check)
 
 
 def run_script(script: str, config: Path, *extra: str) -> subprocess.CompletedProcess:
-    """``python train/<script> --config config extra...`` without the launcher (one rank), for runs
-    that are refused before training: the launcher's start-up costs ~5 s."""
+    """``python train/<script> --config config extra...`` (one rank) for runs that are refused before
+    training: no process group, no environment for the run."""
     return subprocess.run(
         [sys.executable, str(REPO / "train" / script), "--config", str(config), *extra],
         capture_output=True,

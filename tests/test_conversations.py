@@ -12,8 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data_prep import prepare_sft
-from data_prep.conversations import parse_conversation_row
-from data_prep.preferences import DroppedRow, InvalidRow
+from data_prep.conversation_rows import parse_conversation_row
+from data_prep.preference_rows import DroppedRow, InvalidRow
 from engine.data.conversations import load_conversations, tokenize_conversations
 from engine.data.packing import pack_sequences
 from engine.sft.causal_lm import token_nll

@@ -14,17 +14,22 @@ from pathlib import Path
 
 from helpers import (
     REPO,
+    RM_COMPONENTS,
     RM_STEPS,
     assert_repeats,
+    assert_same_weights,
     faults,
     launch,
     launcher_cmd,
     metric_series,
+    run_script,
     start_launched,
     wait_for_step,
     workers,
     write_rm_config,
 )
+
+from engine.models.loading import load_value_model
 
 
 def straight_losses(rm_run) -> dict[int, float]:
@@ -81,16 +86,18 @@ def test_sigkill_mid_run_then_inside_a_checkpoint_write_resumes_from_the_last_co
 
 
 def test_disk_full_at_save_time_is_a_clear_error_and_loses_nothing(tiny_model_dir, rm_data, tmp_path):
-    config = write_rm_config(tmp_path / "rm.json", tiny_model_dir, rm_data, tmp_path / "run", max_steps=45)
-    result = launch("train_rm.py", config, env=faults(fail_checkpoint_write_at=40), check=False)
+    config = write_rm_config(tmp_path / "rm.json", tiny_model_dir, rm_data, tmp_path / "run", max_steps=5)
+    result = launch(
+        "train_rm.py", config, "--checkpoint.every_steps", "2", env=faults(fail_checkpoint_write_at=4), check=False
+    )
     checkpoints = tmp_path / "run" / "checkpoints"
     assert result.returncode != 0
     assert (
-        f"checkpoint error: could not write checkpoint {checkpoints}/step00000040 ([Errno 28] No space left on device"
+        f"checkpoint error: could not write checkpoint {checkpoints}/step00000004 ([Errno 28] No space left on device"
         in result.stderr
     ), result.stderr[-2000:]
-    assert f"the previous checkpoint {checkpoints}/step00000020 is intact" in result.stderr
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step00000020"]  # no torn directory left
+    assert f"the previous checkpoint {checkpoints}/step00000002 is intact" in result.stderr
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step00000002"]  # no torn directory left
     assert (tmp_path / "run" / "report.html").exists()
 
 
@@ -136,16 +143,25 @@ def test_a_real_write_failure_stops_every_rank_at_once_and_keeps_the_previous_ch
     assert {p: p.stat().st_size for p in (checkpoints / "step00000002").rglob("*")} == before
 
 
-def test_damaged_newest_checkpoint_is_skipped(rm_run, tmp_path):
+def test_damaged_newest_checkpoint_is_skipped_and_the_resume_repeats_the_run(rm_run, tmp_path):
+    """The newest checkpoint (step 40) has a torn shard: the resume starts from step 20 and repeats
+    the uninterrupted run's losses and its exported model."""
     root, _ = rm_run
     run = tmp_path / "run"
     shutil.copytree(root / "run", run)
+    assert sorted(p.name for p in (run / "checkpoints").glob("step*")) == ["step00000020", "step00000040"]
     shard = next((run / "checkpoints" / "step00000040").rglob("*.pt"))
     shard.write_bytes(shard.read_bytes()[:-10])  # torn write
+    shutil.rmtree(run / "model")
     config = json.loads((root / "rm.json").read_text())
     config["logging"]["output_dir"] = str(run)
     (tmp_path / "rm.json").write_text(json.dumps(config))
     assert_resume_matches(rm_run, tmp_path / "rm.json", run, expect_from=20)
+    components = list(RM_COMPONENTS)
+    assert_same_weights(
+        load_value_model(str(root / "run" / "model"), components).state_dict(),
+        load_value_model(str(run / "model"), components).state_dict(),
+    )
 
 
 def test_resume_with_another_config_is_refused_unless_allowed(rm_run, tmp_path):
@@ -156,13 +172,7 @@ def test_resume_with_another_config_is_refused_unless_allowed(rm_run, tmp_path):
     config["logging"]["output_dir"] = str(run)
     config["train"]["pairs_per_step"] = 16
     (tmp_path / "rm.json").write_text(json.dumps(config))
-    refused = subprocess.run(
-        [*launcher_cmd(1), str(REPO / "train" / "train_rm.py"), "--config", str(tmp_path / "rm.json"), "--resume"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
+    refused = run_script("train_rm.py", tmp_path / "rm.json", "--resume")
     assert refused.returncode != 0
     assert "belongs to a different run (pairs_per_step: checkpoint 32, now 16)" in refused.stdout + refused.stderr
     allowed = launch(
@@ -174,12 +184,6 @@ def test_resume_with_another_config_is_refused_unless_allowed(rm_run, tmp_path):
 def test_unwritable_output_dir_fails_before_training(tiny_model_dir, rm_data, tmp_path):
     (tmp_path / "blocker").write_text("a file where the run directory should go")
     config = write_rm_config(tmp_path / "rm.json", tiny_model_dir, rm_data, tmp_path / "blocker" / "run")
-    result = subprocess.run(
-        [*launcher_cmd(1), str(REPO / "train" / "train_rm.py"), "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
+    result = run_script("train_rm.py", config)
     assert result.returncode != 0
     assert "is not writable" in result.stdout + result.stderr

@@ -1,6 +1,9 @@
-"""engine/ppo/experience.py: make_experience on real models against a naive padded computation."""
+"""engine/ppo/experience.py and engine/ppo/forwards.py: make_experience on real models against a
+naive padded computation; shared-prompt forwards against whole sequences."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -9,11 +12,23 @@ from transformers import AutoTokenizer
 from engine.data import packing
 from engine.data.packing import packed_forward
 from engine.models.loading import load_causal_lm, load_value_model
-from engine.ppo.experience import OldLogprobSource, make_experience, micro_batches, response_logprobs, response_values
+from engine.ppo.engines import HybridEngine
+from engine.ppo.experience import OldLogprobSource, make_experience
+from engine.ppo.forwards import micro_batches, response_logprobs, response_values
 from engine.ppo.rewards import RewardScorer
+from engine.ppo.settings import ExperienceSettings, GaeSettings
 from engine.rollout.sampler import Sample
 
 PROMPT_LENS, RESPONSE_LENS = [6, 3, 9, 4], [5, 8, 2, 6]
+# k1 KL, undiscounted GAE with lam = 1 (every return is the score), whitened; micro-batches of 24 tokens
+SETTINGS = ExperienceSettings(
+    max_tokens=24, value_weights=torch.ones(1), kl_estimator="k1", gae=GaeSettings(gamma=1.0, lam=1.0, whiten=True)
+)
+
+
+def engines(actor, critic, scorer) -> HybridEngine:
+    """The models make_experience reads: the reference is the actor (the KL is zero)."""
+    return HybridEngine(actor=actor, critic=critic, ref=actor, reward_model=scorer.model, keep_alive=None)
 
 
 @pytest.fixture(scope="module")
@@ -64,19 +79,13 @@ def test_make_experience_equals_naive_padded_forwards(process_group, models):
     # ref = actor: the KL is zero, so each token's reward is 0 but the last (the score); gamma = lam = 1.
     exp, stats = make_experience(
         batch,
-        prompt_messages=prompts,
-        actor=actor,
-        critic=critic,
-        ref=actor,
-        scorer=scorer,
-        value_weights=torch.ones(1),
-        tokenizer=tokenizer,
-        max_tokens=24,
-        kl_estimator="k1",
+        prompts,
+        engines(actor, critic, scorer),
+        scorer,
+        tokenizer,
+        SETTINGS,
         kl_coef=0.5,
-        gamma=1.0,
-        lam=1.0,
-        whiten_advantages=True,
+        old_logprobs_from_sampler=False,
     )
     T = max(RESPONSE_LENS)
     assert exp.mask.shape == (4, T) and exp.mask.sum(1).tolist() == RESPONSE_LENS
@@ -110,22 +119,9 @@ def test_old_logprobs_from_the_sampler_skip_the_actor_forward(process_group, mod
         Sample(s.prompt_ids, s.response_ids, [-0.5 - 0.1 * j for j in range(len(s.response_ids))], True) for s in batch
     ]
     prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(len(batch))]
+    no_actor = engines(actor, critic, scorer)._replace(actor=None)
     exp, stats = make_experience(
-        batch,
-        prompt_messages=prompts,
-        actor=None,
-        critic=critic,
-        ref=actor,
-        scorer=scorer,
-        value_weights=torch.ones(1),
-        tokenizer=tokenizer,
-        max_tokens=24,
-        kl_estimator="k1",
-        kl_coef=0.5,
-        gamma=1.0,
-        lam=1.0,
-        whiten_advantages=True,
-        old_logprobs_from_sampler=True,
+        batch, prompts, no_actor, scorer, tokenizer, SETTINGS, kl_coef=0.5, old_logprobs_from_sampler=True
     )
     for i, s in enumerate(batch):  # no actor forward ran (actor=None): the sampler's log-probs, padded
         assert exp.old_logprobs[i, : len(s.logprobs)].tolist() == pytest.approx(s.logprobs)
@@ -140,23 +136,18 @@ def test_truncated_importance_weights_compare_the_actor_with_the_sampler(process
         for s in samples(actor.config.vocab_size)
     ]
     prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(len(batch))]
+    settings = replace(
+        SETTINGS, gae=GaeSettings(gamma=1.0, lam=1.0, whiten=False), advantage_estimator="reinforce_pp", tis_cap=1.5
+    )
     exp, stats = make_experience(
         batch,
-        prompt_messages=prompts,
-        actor=actor,
-        critic=None,
-        ref=actor,
-        scorer=scorer,
-        value_weights=torch.ones(1),
-        tokenizer=tokenizer,
-        max_tokens=24,
-        kl_estimator="k1",
+        prompts,
+        engines(actor, None, scorer),
+        scorer,
+        tokenizer,
+        settings,
         kl_coef=0.0,
-        gamma=1.0,
-        lam=1.0,
-        whiten_advantages=False,
-        advantage_estimator="reinforce_pp",
-        tis_cap=1.5,
+        old_logprobs_from_sampler=False,
     )
     want = (exp.old_logprobs + 1.0).exp().clamp(
         max=1.5
@@ -187,24 +178,19 @@ def test_shared_prompts_give_the_experience_of_whole_sequences(process_group, mo
     results = []
     for share in (False, True):
         monkeypatch.setattr(scorer, "share_prompts", share)
+        settings = replace(
+            SETTINGS, gae=GaeSettings(gamma=1.0, lam=0.95, whiten=True), share_prompts=share, tis_cap=2.0
+        )
         results.append(
             make_experience(
                 batch,
-                prompt_messages=prompts,
-                actor=actor,
-                critic=critic,
-                ref=actor,
-                scorer=scorer,
-                value_weights=torch.ones(1),
-                tokenizer=tokenizer,
-                max_tokens=24,
-                kl_estimator="k1",
+                prompts,
+                engines(actor, critic, scorer),
+                scorer,
+                tokenizer,
+                settings,
                 kl_coef=0.1,
-                gamma=1.0,
-                lam=0.95,
-                whiten_advantages=True,
-                share_prompts=share,
-                tis_cap=2.0,
+                old_logprobs_from_sampler=False,
             )[0]
         )
     whole, shared = results

@@ -11,7 +11,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from data_prep.preferences import DroppedRow, InvalidRow, parse_preference_row
+from data_prep.preference_rows import DroppedRow, InvalidRow, parse_preference_row
 from data_prep.prepare_preferences import Tally, read_pairs
 from data_prep.sources import DataError
 from engine.config import ConfigError, build_config

@@ -37,7 +37,7 @@ def engine_imports(path: Path, root: Path = REPO) -> set[str]:
     """Every engine module ``path`` imports (at any depth of the file, type-checking imports included).
 
     ``from X import name`` imports the module ``X.name`` when there is one (``from engine.run import
-    faults``), else ``X`` (``from engine.run.faults import nan_loss_at``); relative imports count too."""
+    faults``), else ``X`` (``from engine.run.faults import poisoned``); relative imports count too."""
     me = module_name(path, root)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     found = set()

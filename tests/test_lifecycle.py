@@ -20,7 +20,8 @@ from helpers import launch, metric_series, read_events, run_script
 from engine.config import DS_CONFIGS_DIR
 from engine.run.guards import RollbackGuard, Stateful
 from engine.run.launch import RunArgs, RunRefused
-from engine.run.lifecycle import RunLifecycle, existing_run
+from engine.run.lifecycle import RunLifecycle
+from engine.run.output_dir import existing_run
 
 
 @dataclass

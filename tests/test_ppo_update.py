@@ -12,21 +12,31 @@ import torch
 
 from engine.config import DS_CONFIGS_DIR
 from engine.data.batching import token_mean_scale
-from engine.ppo.experience import Experience, pad_right, sequence_values
+from engine.ppo.experience import Experience
+from engine.ppo.forwards import pad_right, sequence_values
 from engine.ppo.losses import estimate_advantages, kl_penalty
-from engine.ppo.update import (
-    GaeSettings,
-    PolicyLossSettings,
-    actor_step,
-    actor_token_loss,
-    critic_step,
-    update_on_rollout,
-)
+from engine.ppo.settings import GaeSettings, PolicyLossSettings, UpdateSettings
+from engine.ppo.update import actor_step, actor_token_loss, critic_step, update_on_rollout
 
 SETTINGS = PolicyLossSettings(
     clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0, kl_loss_coef=0.1, kl_estimator="k3", entropy_coef=0.01
 )
 RESPONSE_LENS = [5, 1, 9, 3, 7, 2, 6, 4]
+
+
+def update_settings(max_tokens: int = 24, **changes) -> UpdateSettings:
+    """SETTINGS' policy loss, value clip 0.2, one epoch over the eight sequences as one mini-batch."""
+    settings = UpdateSettings(
+        policy=SETTINGS,
+        value_weights=torch.ones(1),
+        value_clip=0.2,
+        ppo_epochs=1,
+        mini_batch_size=len(RESPONSE_LENS),
+        max_tokens=max_tokens,
+        pad_token_id=0,
+        seed=0,
+    )
+    return replace(settings, **changes)
 
 
 def random_experience(vocab: int, seed: int = 0) -> Experience:
@@ -147,7 +157,9 @@ def test_zero3_fetches_whole_decoder_layers_and_steps_as_zero2(deepspeed_ready, 
     assert leaves(lora) == [] and len(leaves(critic)) > 1
     adapters = lambda: [p for (name, _), p in zip(lora.module.named_parameters(), parameters(lora)) if ".lora_" in name]
     before = adapters()
-    actor_step(lora, exp, SETTINGS, 24, pad_id=0)  # as leaves: RuntimeError, a released parameter read in backward
+    actor_step(
+        lora, exp, update_settings(), iteration=0
+    )  # as leaves: RuntimeError, a released parameter read in backward
     assert before and any(
         not torch.equal(a, b) for a, b in zip(before, adapters())
     )  # B moves (A's gradient is 0 while B is)
@@ -157,9 +169,7 @@ def test_zero3_fetches_whole_decoder_layers_and_steps_as_zero2(deepspeed_ready, 
         for engine in (actor, critic):
             layers = [m for m in engine.module.modules() if type(m).__name__ in engine.module._no_split_modules]
             assert leaves(engine) == (layers if ds_file == "tiny_cpu_zero3.json" else []) and len(layers) > 1
-        stats = actor_step(actor, exp, SETTINGS, 24, pad_id=0) | critic_step(
-            critic, exp, torch.ones(1), value_clip=0.2, max_tokens=24, pad_id=0
-        )
+        stats = actor_step(actor, exp, update_settings(), iteration=0) | critic_step(critic, exp, update_settings())
         results.append((stats, parameters(actor) + parameters(critic)))
     (zero2_stats, zero2), (zero3_stats, zero3) = results
     assert all(zero3_stats[k] == pytest.approx(zero2_stats[k], rel=1e-5, abs=1e-7) for k in zero2_stats), (
@@ -178,8 +188,8 @@ def test_real_steps_do_not_depend_on_the_micro_batch_budget(deepspeed_ready, tin
     for budget in (1000, max_tokens):
         actor, critic = make_engines(tiny_model_dir, seed=0)
         exp = random_experience(actor.module.config.vocab_size)
-        stats = actor_step(actor, exp, SETTINGS, budget, pad_id=0)
-        stats |= critic_step(critic, exp, torch.ones(1), value_clip=0.2, max_tokens=budget, pad_id=0)
+        stats = actor_step(actor, exp, update_settings(budget), iteration=0)
+        stats |= critic_step(critic, exp, update_settings(budget))
         # The gradient norm (before clipping) shows the loss scale; Adam's first step hides it.
         stats |= {
             "actor_grad_norm": float(actor.get_global_grad_norm()),
@@ -228,19 +238,10 @@ def test_values_from_the_first_critic_step_equal_an_experience_forward(deepspeed
             actor,
             critic,
             exp,
-            settings=SETTINGS,
-            value_weights=torch.ones(1),
-            value_clip=0.2,
-            ppo_epochs=2,
-            mini_batch_size=len(exp.sequences),
-            max_tokens=24,
-            pad_id=0,
+            update_settings(ppo_epochs=2, values_gae=gae_settings if from_update else None),
+            iteration=0,
             train_actor=True,
-            share_prompts=True,
-            seed=0,
-            poison=False,
             after_step=lambda engine, name: None,
-            values_gae=gae_settings if from_update else None,
         )
         results.append((exp, stats, parameters(actor) + parameters(critic)))
     (want, want_stats, want_weights), (got, got_stats, got_weights) = results
@@ -261,19 +262,10 @@ def test_values_from_the_first_critic_step_equal_an_experience_forward(deepspeed
             actor,
             critic,
             random_experience(50),
-            settings=SETTINGS,
-            value_weights=torch.ones(1),
-            value_clip=0.2,
-            ppo_epochs=1,
-            mini_batch_size=4,
-            max_tokens=24,
-            pad_id=0,
+            update_settings(mini_batch_size=4, values_gae=gae_settings),
+            iteration=0,
             train_actor=True,
-            share_prompts=True,
-            seed=0,
-            poison=False,
             after_step=lambda engine, name: None,
-            values_gae=gae_settings,
         )
 
 

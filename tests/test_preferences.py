@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from data_prep.preferences import DroppedRow, InvalidRow, parse_preference_row
+from data_prep.preference_rows import DroppedRow, InvalidRow, parse_preference_row
 from data_prep.sources import BadJSON
 
 

@@ -5,9 +5,10 @@ and the same example with a misspelled key is refused.
 
 The README's first block (`make setup`, `make demo`, `make test`) is CI itself (.ci/run runs setup
 and test) and the demo. The README's other blocks (the demo step by step) run first, then the
-pages of docs/ in DOCS_ORDER (later guides use the demo's data and models). Training commands run
-shortened (`--train.max_steps 2`, `--train.iterations 1` appended: the full runs are the demo and
-the end-to-end tests); the guides prefer `--dry-run` where a full run adds nothing.
+pages of docs/ in DOCS_ORDER (later guides use the demo's data and models); a guide's command that
+repeats one already run is not run again. Training commands run shortened (`--train.max_steps 2`,
+`--train.iterations 1` appended: the full runs are the demo and the end-to-end tests); the guides
+prefer `--dry-run` where a full run adds nothing.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def shell_commands(block: str) -> list[str]:
     for line in block.replace("\\\n", " ").splitlines():
         command = line.split("#", 1)[0].strip()
         if command:
-            commands.append(" ".join([command, *(extra for script, extra in SHORTER.items() if script in command)]))
+            shorter = [extra for script, extra in SHORTER.items() if script in command and "--dry-run" not in command]
+            commands.append(" ".join([command, *shorter]))
     return commands
 
 
@@ -120,9 +122,12 @@ def ran_readme(clone):
     assert readme_blocks[0].startswith("make setup") and len(readme_blocks) >= 2
     blocks = [("README.md", block) for block in readme_blocks[1:]]
     blocks += [(f"docs/{page.name}", block) for page in pages()[1:] for block in fenced_blocks(page, "bash")]
-    ran = []
+    ran: list[tuple[str, str]] = []
     for page, block in blocks:
         for command in shell_commands(block):
+            if any(command == done for _, done in ran):  # a guide repeating the demo's step: it ran already
+                ran.append((page, command))
+                continue
             result = subprocess.run(
                 ["bash", "-c", command], cwd=root, env=env, capture_output=True, text=True, timeout=600
             )

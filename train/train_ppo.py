@@ -20,7 +20,6 @@ import engine.run.cpu_threads  # noqa: F401 -- first: OpenMP's wait policy, befo
 import os
 import time
 from functools import partial
-from typing import Any, NamedTuple
 
 import torch
 
@@ -29,94 +28,23 @@ from engine.data.batching import epoch_order
 from engine.data.chat import prompt_ids
 from engine.data.errors import DataFileError
 from engine.data.prompts import load_prompts, prompts_that_fit
-from engine.models.deepspeed_glue import (
-    describe_engine,
-    frozen_engine,
-    inference_ds_config,
-    initialize_training_engine,
-    load_partitioned,
-    save_hf_model,
-    training_ds_config,
-)
-from engine.models.loading import load_causal_lm, load_value_model, trains_as_it_evaluates
-from engine.models.lora import ReferenceView, adapters_disabled, add_adapters
-from engine.ppo.evaluation import HeldOutEvaluator
+from engine.models.deepspeed_glue import describe_engine, save_hf_model, training_ds_config
+from engine.ppo.engines import HybridEngine, build_hybrid_engine, build_sampler, critic_value_weights
+from engine.ppo.evaluation import HeldOutEvaluator, held_out_eval
 from engine.ppo.experience import OldLogprobSource, make_experience
 from engine.ppo.losses import AdaptiveKLController, FixedKLController
 from engine.ppo.monitors import HackingMonitor
 from engine.ppo.rewards import RewardScorer
-from engine.ppo.update import GaeSettings, PolicyLossSettings, global_token_count, update_on_rollout
-from engine.rollout.sampler import HFSampler, SamplingSettings, VLLMSampler
+from engine.ppo.settings import ExperienceSettings, UpdateSettings
+from engine.ppo.update import global_token_count, update_on_rollout
+from engine.rollout.sampler import SamplingSettings
 from engine.run.distributed import accelerator_memory_metrics, mean_over_ranks
 from engine.run.dry_run import ppo_plan
-from engine.run.faults import eval_reward_offset, nan_loss_at
 from engine.run.guards import KLGuard, NonFiniteGuard, RollbackGuard
 from engine.run.launch import run_main, start_run
 from engine.run.lifecycle import RunEnded, RunLifecycle
 from engine.run.preflight import check_lora_targets, check_reward_model, check_vllm_can_run, load_tokenizer
 from engine.run_config import PPOConfig
-
-
-class HybridEngine(NamedTuple):
-    """The four models of a PPO run as DeepSpeed engines in one process group."""
-
-    actor: Any  # trained
-    critic: Any  # trained; None with a critic-free advantage estimator
-    ref: Any  # frozen: the actor's starting weights (LoRA: the actor with its adapters disabled)
-    reward_model: Any  # frozen
-    keep_alive: Any  # hold while the engines live (engine/models/deepspeed_glue.load_partitioned)
-
-
-def build_hybrid_engine(cfg: PPOConfig, ds_config: dict) -> HybridEngine:
-    model_kw = dict(
-        dtype=torch.bfloat16 if cfg.actor.bf16 else torch.float32,
-        attn_implementation=cfg.actor.attn_implementation,
-        trust_remote_code=cfg.actor.trust_remote_code,
-    )
-    actor, keep_alive = load_partitioned(lambda: load_causal_lm(cfg.actor.path, **model_kw), ds_config)
-    if cfg.actor.lora.rank:
-        actor = add_adapters(actor, cfg.actor.lora, causal_lm=True)
-    ref = (
-        None
-        if cfg.actor.lora.rank
-        else load_partitioned(lambda: load_causal_lm(cfg.actor.path, **model_kw), ds_config)[0]
-    )
-    reward_model, _ = load_partitioned(lambda: load_value_model(cfg.reward_model.path, **model_kw), ds_config)
-    critic = None
-    if cfg.ppo.advantage_estimator == "gae":
-        critic_from, components = (
-            (cfg.reward_model.path, None) if cfg.critic.init_from == "reward_model" else (cfg.actor.path, ["value"])
-        )
-        critic, _ = load_partitioned(lambda: load_value_model(critic_from, components, **model_kw), ds_config)
-        if cfg.critic.lora.rank:
-            critic = add_adapters(critic, cfg.critic.lora, causal_lm=False)
-    if cfg.actor.gradient_checkpointing:
-        for m in (actor, critic):
-            if m is not None:
-                m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    iterations = cfg.train.iterations
-    steps_per_iteration = (
-        cfg.ppo.ppo_epochs
-        * cfg.rollout.prompts_per_iteration
-        * cfg.rollout.samples_per_prompt
-        // cfg.ppo.mini_batch_size
-    )
-    optim = dict(
-        betas=tuple(cfg.optim.betas),
-        weight_decay=cfg.optim.weight_decay,
-        lr_scheduler=cfg.optim.lr_scheduler,
-        warmup_steps=int(cfg.optim.warmup_ratio * iterations * steps_per_iteration),
-        total_steps=iterations * steps_per_iteration,
-    )
-    frozen_config = inference_ds_config(ds_config)
-    actor_engine = initialize_training_engine(actor, ds_config, lr=cfg.optim.lr, **optim)
-    return HybridEngine(
-        actor=actor_engine,
-        critic=initialize_training_engine(critic, ds_config, lr=cfg.critic.lr, **optim) if critic is not None else None,
-        ref=frozen_engine(ref, frozen_config) if ref is not None else ReferenceView(actor_engine),  # LoRA: adapters off
-        reward_model=frozen_engine(reward_model, frozen_config),
-        keep_alive=keep_alive,
-    )
 
 
 def load_fitting_prompts(path: str, tokenizer, cfg: PPOConfig, rank: int) -> list:
@@ -135,85 +63,25 @@ def load_fitting_prompts(path: str, tokenizer, cfg: PPOConfig, rank: int) -> lis
     return prompts
 
 
-def build_sampler(cfg: PPOConfig, actor_engine, tokenizer, rank: int):
-    """vLLM in this process (after the engines: its external_launcher reuses their group), or HF generate."""
-    if cfg.rollout.sampler == "hf":
-        return HFSampler(actor_engine, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    tp = cfg.rollout.tensor_parallel_size  # the ranks of a TP group run one engine: the same seed
-    return VLLMSampler(
-        cfg.actor.path,
-        seed=cfg.train.seed * 1000 + rank // tp,
-        dtype="bfloat16" if cfg.actor.bf16 else "float32",
-        max_model_len=cfg.rollout.vllm_max_model_len,
-        eos_token_id=tokenizer.eos_token_id,
-        kv_cache_bytes=cfg.rollout.vllm_kv_cache_mb << 20,
-        gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
-        sleep_between_rollouts=cfg.rollout.vllm_sleep,
-        tensor_parallel_size=tp,
-    )
-
-
-def sample_reference(evaluator: HeldOutEvaluator, sampler, engines: HybridEngine, tokenizer) -> None:
-    """The reference's held-out responses: from vLLM loaded with the reference weights, or HF generate."""
-    with adapters_disabled(engines.ref.module):  # LoRA: the reference is the actor's base
-        if isinstance(sampler, HFSampler):
-            evaluator.sample_reference(
-                HFSampler(engines.ref, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-            )
-            return
-        sampler.sync_weights(engines.ref.module)
-        evaluator.sample_reference(sampler)
-    sampler.sync_weights(engines.actor.module)
-
-
-def held_out_eval(
-    evaluator: HeldOutEvaluator,
-    sampler,
-    engines: HybridEngine,
-    monitor: HackingMonitor,
-    run: RunLifecycle,
-    sample_rows: int,
-) -> dict[str, float]:
-    """Evaluate the current policy on the held-out prompts; log sample rows and monitor flags.
-    Returns the eval/* metrics."""
-    result, rows = evaluator.evaluate(sampler, engines.actor, engines.ref, sample_rows)
-    result["reward"] += eval_reward_offset(run.step)
-    for kind, message in monitor.check_evaluation(result):
-        run.event(kind, message)
-    run.logger.samples(run.step, rows)
-    return {f"eval/{k}": v for k, v in result.items()}
-
-
-def values_from_update(cfg: PPOConfig, critic) -> GaeSettings | None:
-    """GAE's settings when the first critic step's forward gives the rollout's values exactly
-    (ppo.old_values_from update; the rollout is one mini-batch; the critic has no dropout), else None."""
-    one_mini_batch = cfg.ppo.mini_batch_size == cfg.rollout.prompts_per_iteration * cfg.rollout.samples_per_prompt
-    if (
-        cfg.ppo.old_values_from != "update"
-        or critic is None
-        or not one_mini_batch
-        or not trains_as_it_evaluates(critic.module)
-    ):
-        return None
-    return GaeSettings(cfg.ppo.gamma, cfg.ppo.lam, cfg.ppo.whiten_advantages)
-
-
 def ppo_iteration(
-    cfg: PPOConfig,
     iteration: int,
     prompts: list,
     sampler,
     sampling: SamplingSettings,
     engines: HybridEngine,
+    scorer: RewardScorer,
     tokenizer,
+    experience: ExperienceSettings,
+    update: UpdateSettings,
+    *,
     kl_coef: float,
-    experience_kw: dict,
-    update_kw: dict,
-    after_step,
     old_from_sampler: bool,
+    train_actor: bool,
+    after_step,
 ) -> dict[str, float]:
     """One iteration on this rank's ``prompts``: generate -> make experience -> PPO epochs -> sync the
-    sampler. Returns the ppo/* metrics (rollout statistics averaged over the ranks) and timing/*."""
+    sampler (unless the actor is not trained: critic warm-up). Returns the ppo/* metrics (rollout
+    statistics averaged over the ranks) and timing/*."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     t0 = time.perf_counter()
     groups = sampler.generate(
@@ -223,24 +91,20 @@ def ppo_iteration(
     t1 = time.perf_counter()
     exp, rollout_stats = make_experience(
         [s for group in groups for s in group],
-        prompt_messages=[m for m, group in zip(prompts, groups) for _ in group],
+        [m for m, group in zip(prompts, groups) for _ in group],
+        engines,
+        scorer,
+        tokenizer,
+        experience,
         kl_coef=kl_coef,
         old_logprobs_from_sampler=old_from_sampler,
-        **experience_kw,
     )
     t2 = time.perf_counter()
     train_stats = update_on_rollout(
-        engines.actor,
-        engines.critic,
-        exp,
-        train_actor=iteration >= cfg.critic.warmup_iterations,
-        seed=cfg.train.seed * 100_003 + iteration,
-        poison=nan_loss_at(iteration + 1),
-        after_step=after_step,
-        **update_kw,
+        engines.actor, engines.critic, exp, update, iteration=iteration, train_actor=train_actor, after_step=after_step
     )
     t3 = time.perf_counter()
-    if iteration >= cfg.critic.warmup_iterations:
+    if train_actor:
         sampler.sync_weights(engines.actor.module)
     t4 = time.perf_counter()
     rollout_stats = mean_over_ranks(rollout_stats)
@@ -267,12 +131,7 @@ def main() -> int:
     rm_tokenizer = load_tokenizer(cfg.reward_model.path, "reward_model.path")
     check_reward_model(cfg.reward_model.path, "reward_model.path", cfg.reward_model.normalize)
     check_lora_targets(cfg.actor.path, "actor.lora", cfg.actor.lora, False, cfg.actor.trust_remote_code)
-    check_lora_targets(
-        cfg.reward_model.path if cfg.critic.init_from == "reward_model" else cfg.actor.path,
-        "critic.lora",
-        cfg.critic.lora,
-        True,
-    )
+    check_lora_targets(cfg.critic_source().path, "critic.lora", cfg.critic.lora, True)
     if cfg.rollout.sampler == "vllm":
         check_vllm_can_run(cfg.actor.path, "actor.path", cfg.actor.trust_remote_code, cfg.rollout.tensor_parallel_size)
     prompts = load_fitting_prompts(cfg.data.prompts, tokenizer, cfg, rank)
@@ -324,7 +183,7 @@ def main() -> int:
         cfg.ppo.share_prompt,
     )
     sampler = build_sampler(cfg, engines.actor, tokenizer, rank)
-    value_weights = scorer.weights if cfg.critic.init_from == "reward_model" else torch.ones(1)
+    value_weights = critic_value_weights(cfg, scorer)
     kl_ctl = (
         AdaptiveKLController(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon)
         if cfg.ppo.kl_target is not None
@@ -355,13 +214,14 @@ def main() -> int:
         progress_bar=cfg.logging.progress_bar,
         desc="ppo",
     )
-    values_gae = values_from_update(cfg, engines.critic)
+    update = UpdateSettings.from_config(cfg, value_weights, tokenizer.pad_token_id, engines.critic)
+    experience = ExperienceSettings.from_config(cfg, value_weights, values_from_update=update.values_gae is not None)
     if rank == 0:
         print(
             f"train_ppo: {len(prompts)} prompts, {iterations} iterations, {world} rank(s), sampler "
             f"{cfg.rollout.sampler}, actor {describe_engine(engines.actor)}"
             + (
-                f", critic values from {'the first critic step' if values_gae else 'an experience forward'}"
+                f", critic values from {'the first critic step' if update.values_gae else 'an experience forward'}"
                 if engines.critic
                 else ""
             )
@@ -384,47 +244,10 @@ def main() -> int:
         else None
     )
     evaluate = partial(held_out_eval, evaluator, sampler, engines, monitor, run, cfg.monitors.sample_rows)
-    settings = PolicyLossSettings(
-        clip_low=cfg.ppo.clip_ratio,
-        clip_high=cfg.ppo.clip_ratio_high or cfg.ppo.clip_ratio,
-        clip_ratio_c=cfg.ppo.clip_ratio_c,
-        kl_loss_coef=cfg.ppo.kl_loss_coef,
-        kl_estimator=cfg.ppo.kl_loss_estimator,
-        entropy_coef=cfg.ppo.entropy_coef,
-    )
-    experience_kw = dict(
-        actor=engines.actor,
-        critic=engines.critic,
-        ref=engines.ref,
-        scorer=scorer,
-        value_weights=value_weights,
-        tokenizer=tokenizer,
-        max_tokens=cfg.ppo.max_tokens_per_micro_batch,
-        kl_estimator=cfg.ppo.kl_estimator,
-        gamma=cfg.ppo.gamma,
-        lam=cfg.ppo.lam,
-        whiten_advantages=cfg.ppo.whiten_advantages,
-        advantage_estimator=cfg.ppo.advantage_estimator,
-        group_size=cfg.rollout.samples_per_prompt,
-        tis_cap=cfg.ppo.tis_cap,
-        share_prompts=cfg.ppo.share_prompt,
-        values_from_update=values_gae is not None,
-    )
-    update_kw = dict(
-        settings=settings,
-        value_weights=value_weights,
-        value_clip=cfg.ppo.value_clip,
-        ppo_epochs=cfg.ppo.ppo_epochs,
-        mini_batch_size=cfg.ppo.mini_batch_size,
-        max_tokens=cfg.ppo.max_tokens_per_micro_batch,
-        pad_id=tokenizer.pad_token_id,
-        share_prompts=cfg.ppo.share_prompt,
-        values_gae=values_gae,
-    )
     per_rank, metrics = cfg.rollout.prompts_per_iteration // world, {}
     try:
         if evaluator:
-            sample_reference(evaluator, sampler, engines, tokenizer)
+            evaluator.sample_reference(sampler, engines)
         first_eval = evaluate() if evaluator and not run.resume_from else None
         if first_eval:
             run.logger.log(0, first_eval)
@@ -437,18 +260,19 @@ def main() -> int:
                 prompts[i] for i in epoch_order(len(prompts), cfg.train.seed, epoch)[start : start + per_rank]
             ]
             metrics = ppo_iteration(
-                cfg,
                 run.step,
                 batch_msgs,
                 sampler,
                 sampling,
                 engines,
+                scorer,
                 tokenizer,
-                kl_ctl.value if cfg.ppo.use_kl_in_reward else 0.0,
-                experience_kw,
-                update_kw,
-                after_step=partial(run.check_step, nonfinite, run.step + 1),
+                experience,
+                update,
+                kl_coef=kl_ctl.value if cfg.ppo.use_kl_in_reward else 0.0,
                 old_from_sampler=old_logprobs.use_sampler(run.step),
+                train_actor=run.step >= cfg.critic.warmup_iterations,
+                after_step=partial(run.check_step, nonfinite, run.step + 1),
             )
             if message := old_logprobs.observe(metrics.get("ppo/sampler_logprob_gap")):
                 run.event("old_logprobs_from_actor", message, step=run.step + 1)

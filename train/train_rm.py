@@ -21,10 +21,9 @@ from functools import partial
 import torch
 
 from engine.config import config_to_dict
-from engine.data.batching import epoch_order, epoch_schedule, plan_global, token_mean_scale
+from engine.data.batching import epoch_order, epoch_schedule
 from engine.data.errors import DataFileError
-from engine.data.packing import dummy_forward_loss
-from engine.data.preferences import PreferenceExample, collate_pairs, load_preferences, pairs_that_fit
+from engine.data.preferences import PreferenceExample, load_preferences, pairs_that_fit
 from engine.models.deepspeed_glue import (
     describe_engine,
     initialize_training_engine,
@@ -33,58 +32,14 @@ from engine.models.deepspeed_glue import (
     training_ds_config,
 )
 from engine.models.loading import attention_shares_prompts, load_value_model
-from engine.rm.losses import pair_losses
-from engine.rm.reward_model import PairStats, evaluate_pairs, score_pairs
+from engine.rm.reward_model import RMLossSettings, evaluate_pairs, rm_step
 from engine.run.distributed import accelerator_memory_metrics
 from engine.run.dry_run import rm_plan
-from engine.run.faults import nan_loss_at
 from engine.run.guards import NonFiniteGuard
 from engine.run.launch import run_main, start_run
 from engine.run.lifecycle import RunEnded, RunLifecycle
 from engine.run.preflight import load_tokenizer
 from engine.run_config import RewardModelConfig
-
-
-def train_step(
-    engine,
-    examples: list[PreferenceExample],
-    cfg: RewardModelConfig,
-    weights: torch.Tensor,
-    pad_id: int,
-    poison: bool = False,
-) -> dict[str, float]:
-    """One optimizer step over a global mini-batch of pairs (every rank holds the whole list).
-    ``poison`` multiplies the loss by NaN (fault injection, engine/run/faults.py)."""
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    plan = plan_global([e.num_tokens for e in examples], cfg.train.max_tokens_per_micro_batch, world)[rank]
-    # Global counts: each loss term is a mean over the whole mini-batch (engine/data/batching.py).
-    n_pairs = len(examples)
-    n_labelled = torch.tensor([e.labels for e in examples]).ne(0).sum(0).tolist()  # per component
-    stats = PairStats(list(cfg.rm.components))
-    for micro in plan:
-        if not micro:
-            engine.backward(dummy_forward_loss(engine, pad_id))
-            continue
-        batch = [examples[i] for i in micro]
-        r_chosen, r_rejected = score_pairs(engine, batch)
-        _, margins, labels = collate_pairs(batch)
-        losses = pair_losses(r_chosen, r_rejected, weights, margins, labels)
-        loss = (
-            cfg.rm.total_loss_coef * losses.total.sum() + cfg.rm.center_coef * losses.center.sum()
-        ) * token_mean_scale(n_pairs, world)
-        for c, n in enumerate(n_labelled):
-            if n:
-                loss = loss + losses.component[:, c].sum() * token_mean_scale(n, world)
-        engine.backward(loss * float("nan") if poison else loss)
-        stats.add(r_chosen, r_rejected, weights, labels, losses)
-    engine.step()
-    metrics = stats.reduce()
-    metrics["loss"] = (
-        cfg.rm.total_loss_coef * metrics["loss_total"]
-        + cfg.rm.center_coef * metrics["center"]
-        + sum(metrics.get(f"loss_{name}", 0.0) for name in cfg.rm.components)
-    )
-    return metrics
 
 
 def shares_prompts(cfg: RewardModelConfig) -> bool:
@@ -118,8 +73,8 @@ def main() -> int:
     ds_config = training_ds_config(cfg.deepspeed, cfg.model.bf16)
 
     tokenizer = load_tokenizer(cfg.model.path, "model.path", cfg.model.trust_remote_code)
-    components = list(cfg.rm.components)
-    weights = torch.tensor([cfg.rm.components[c] for c in components])
+    loss_settings = RMLossSettings.from_config(cfg.rm)
+    components, weights = list(loss_settings.components), loss_settings.weights
     train, validation = (load_pairs(path, tokenizer, cfg, rank) for path in (cfg.data.train, cfg.data.validation))
     steps_per_epoch, total_steps = epoch_schedule(
         len(train), cfg.train.pairs_per_step, cfg.train.epochs, cfg.train.max_steps
@@ -204,7 +159,14 @@ def main() -> int:
             ]
             start = time.perf_counter()
             engine.train()
-            step_metrics = train_step(engine, batch, cfg, weights, tokenizer.pad_token_id, nan_loss_at(run.step + 1))
+            step_metrics = rm_step(
+                engine,
+                batch,
+                loss_settings,
+                cfg.train.max_tokens_per_micro_batch,
+                tokenizer.pad_token_id,
+                step=run.step + 1,
+            )
             seconds = time.perf_counter() - start
             run.step += 1
             run.check_step(nonfinite, run.step, engine)

@@ -35,7 +35,6 @@ from engine.models.deepspeed_glue import (
 from engine.models.loading import load_causal_lm
 from engine.run.distributed import accelerator_memory_metrics
 from engine.run.dry_run import sft_plan
-from engine.run.faults import nan_loss_at
 from engine.run.guards import NonFiniteGuard
 from engine.run.launch import run_main, start_run
 from engine.run.lifecycle import RunEnded, RunLifecycle
@@ -136,7 +135,7 @@ def main() -> int:
             batch = [train[i] for i in order[in_epoch * per_step : (in_epoch + 1) * per_step]]
             start = time.perf_counter()
             engine.train()
-            step_metrics = sft_step(engine, batch, budget, tokenizer.pad_token_id, nan_loss_at(run.step + 1))
+            step_metrics = sft_step(engine, batch, budget, tokenizer.pad_token_id, step=run.step + 1)
             seconds = time.perf_counter() - start
             run.step += 1
             run.check_step(nonfinite, run.step, engine)

@@ -126,7 +126,7 @@ def fetch_whole_decoder_layers(model: torch.nn.Module, ds_config: dict[str, Any]
 
 
 def initialize_training_engine(
-    model: PreTrainedModel,
+    model: PreTrainedModel | PeftModel,
     ds_config: dict[str, Any],
     lr: float,
     betas: tuple[float, float],

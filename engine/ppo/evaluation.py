@@ -12,16 +12,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.data.chat import prompt_ids
-from engine.ppo.experience import sequence_logprobs
-from engine.ppo.monitors import repeated_ngrams
+from engine.models.lora import adapters_disabled
+from engine.ppo.forwards import sequence_logprobs
+from engine.ppo.monitors import HackingMonitor, repeated_ngrams
 from engine.ppo.rewards import RewardScorer
-from engine.rollout.sampler import Sample, SamplingSettings
+from engine.rollout.sampler import HFSampler, Sample, SamplingSettings
+from engine.run import faults
 from engine.run.distributed import all_reduce
+
+if TYPE_CHECKING:
+    from engine.ppo.engines import HybridEngine
+    from engine.run.lifecycle import RunLifecycle
 
 POLICY_SEED, REFERENCE_SEED = 10**6, 2 * 10**6  # request seeds (+ rank): independent policy and reference draws
 
@@ -71,9 +77,18 @@ class HeldOutEvaluator:
         rewards = self.scorer.score(self.messages, texts, [s.finished for s in samples])[0]
         return Responses(samples, texts, rewards)
 
-    def sample_reference(self, reference_sampler) -> None:
-        """Sample the reference policy's responses (``reference_sampler`` holds its weights)."""
-        self.reference = self.respond(reference_sampler, self.settings.temperature, REFERENCE_SEED)
+    def sample_reference(self, sampler, engines: HybridEngine) -> None:
+        """Sample the reference policy's responses: with ``sampler`` loaded with the reference's
+        weights (then the actor's again), or with HF generate on the reference."""
+        with adapters_disabled(engines.ref.module):  # LoRA: the reference is the actor's base
+            if isinstance(sampler, HFSampler):
+                pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+                reference_sampler = HFSampler(engines.ref, pad_token_id=pad, eos_token_id=eos)
+                self.reference = self.respond(reference_sampler, self.settings.temperature, REFERENCE_SEED)
+                return
+            sampler.sync_weights(engines.ref.module)
+            self.reference = self.respond(sampler, self.settings.temperature, REFERENCE_SEED)
+        sampler.sync_weights(engines.actor.module)
 
     @torch.no_grad()
     def kl_to_reference(self, samples: list[Sample], actor, ref) -> torch.Tensor:
@@ -142,3 +157,21 @@ class HeldOutEvaluator:
             else []
         )
         return metrics, rows
+
+
+def held_out_eval(
+    evaluator: HeldOutEvaluator,
+    sampler,
+    engines: HybridEngine,
+    monitor: HackingMonitor,
+    run: RunLifecycle,
+    sample_rows: int,
+) -> dict[str, float]:
+    """Evaluate the current policy on the held-out prompts at iteration ``run.step``; log sample rows
+    and monitor flags. Returns the eval/* metrics."""
+    result, rows = evaluator.evaluate(sampler, engines.actor, engines.ref, sample_rows)
+    result["reward"] = faults.offset_eval_reward(result["reward"], run.step)
+    for kind, message in monitor.check_evaluation(result):
+        run.event(kind, message)
+    run.logger.samples(run.step, rows)
+    return {f"eval/{k}": v for k, v in result.items()}

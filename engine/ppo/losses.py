@@ -8,16 +8,13 @@ process group only to reduce its sums.
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from engine.run.distributed import all_reduce
+from engine.run_config import AdvantageEstimator, KLEstimator
 
-KLEstimator = Literal["k1", "k2", "k3"]
-AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_pp"]
-CRITIC_FREE = ("grpo", "rloo", "reinforce_pp")
-GROUP_ESTIMATORS = ("grpo", "rloo")  # need samples_per_prompt >= 2
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps exp() finite when policies drift apart
 
 

@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.data.chat import tokenize_pairs
 from engine.data.packing import last_token, packed_forward
-from engine.ppo.experience import map_micro_batches
+from engine.ppo.forwards import map_micro_batches
 
 Rule = Callable[[list[dict[str, str]], str], float]
 

@@ -8,52 +8,18 @@ on how the mini-batch was cut into micro-batches or spread over ranks.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from engine.data.batching import token_mean_scale
 from engine.data.packing import PackedBatch, dummy_forward_loss, packed_forward
-from engine.ppo.experience import Experience, micro_batches, pad_right, response_logprobs, response_values
-from engine.ppo.losses import (
-    KLEstimator,
-    PolicyLoss,
-    clipped_policy_loss,
-    clipped_value_loss,
-    dual_clip_policy_loss,
-    estimate_advantages,
-    gae,
-    kl_penalty,
-)
+from engine.ppo.experience import Experience
+from engine.ppo.forwards import micro_batches, pad_right, response_logprobs, response_values
+from engine.ppo.losses import PolicyLoss, clipped_value_loss, estimate_advantages, gae, kl_penalty
+from engine.ppo.settings import GaeSettings, PolicyLossSettings, UpdateSettings
+from engine.run import faults
 from engine.run.distributed import all_reduce
-
-
-@dataclass(frozen=True)
-class PolicyLossSettings:
-    clip_low: float
-    clip_high: float
-    clip_ratio_c: float | None  # dual clip when set
-    kl_loss_coef: float
-    kl_estimator: KLEstimator
-    entropy_coef: float
-
-    def policy_loss(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor) -> PolicyLoss:
-        """The configured surrogate: clipped, or dual-clip when ``clip_ratio_c`` is set."""
-        if self.clip_ratio_c is None:
-            return clipped_policy_loss(logprobs, old_logprobs, advantages, self.clip_low, self.clip_high)
-        return dual_clip_policy_loss(
-            logprobs, old_logprobs, advantages, self.clip_low, self.clip_high, self.clip_ratio_c
-        )
-
-
-@dataclass(frozen=True)
-class GaeSettings:
-    """GAE's parameters, for a rollout whose critic values come from the first critic step."""
-
-    gamma: float
-    lam: float
-    whiten: bool
 
 
 class ActorLoss(NamedTuple):
@@ -87,13 +53,16 @@ def actor_metric_names(settings: PolicyLossSettings) -> list[str]:
 
 
 def _micro_batches(
-    engine, batch: Experience, max_tokens: int, pad_id: int, share_prompts: bool
+    engine, batch: Experience, settings: UpdateSettings
 ) -> Iterator[tuple[list[int], Experience, PackedBatch]]:
     """This rank's packed micro-batches ``(rows of batch, their experience, packed)`` (the samples
-    of a prompt sharing it where ``share_prompts`` and the attention allows); a dummy one (no
-    samples left here) runs its zero-loss forward/backward inside, so every rank makes the same
+    of a prompt sharing it where ``settings.share_prompts`` and the attention allows); a dummy one
+    (no samples left here) runs its zero-loss forward/backward inside, so every rank makes the same
     number of ZeRO collectives."""
-    for indices, packed in micro_batches(engine, batch.sequences, batch.prompt_lens, max_tokens, pad_id, share_prompts):
+    pad_id = settings.pad_token_id
+    for indices, packed in micro_batches(
+        engine, batch.sequences, batch.prompt_lens, settings.max_tokens, pad_id, settings.share_prompts
+    ):
         if not indices:
             engine.backward(dummy_forward_loss(engine, pad_id))
             continue
@@ -106,31 +75,23 @@ def global_token_count(mask: torch.Tensor) -> int:
     return int(count.item())
 
 
-def actor_step(
-    engine,
-    batch: Experience,
-    settings: PolicyLossSettings,
-    max_tokens: int,
-    pad_id: int,
-    poison: bool = False,
-    share_prompts: bool = True,
-) -> dict[str, float]:
-    """Clipped (or dual-clip) PPO policy loss [+ KL loss - entropy bonus]; returns summed stats.
-    ``poison`` multiplies the loss by NaN (fault injection, engine/run/faults.py)."""
+def actor_step(engine, batch: Experience, settings: UpdateSettings, iteration: int) -> dict[str, float]:
+    """Clipped (or dual-clip) PPO policy loss [+ KL loss - entropy bonus] over ``batch``, a
+    mini-batch of 0-based ``iteration``; returns summed stats."""
     world = torch.distributed.get_world_size()
     scale = token_mean_scale(global_token_count(batch.mask), world)
-    names = actor_metric_names(settings)
+    names = actor_metric_names(settings.policy)
     sums = torch.zeros(len(names) + 1, dtype=torch.float64)  # token sums of each statistic, then the token count
-    for _, mb, packed in _micro_batches(engine, batch, max_tokens, pad_id, share_prompts):
+    for _, mb, packed in _micro_batches(engine, batch, settings):
         T = mb.mask.shape[1]
         logprob_rows, entropy_rows = response_logprobs(
-            engine, packed, mb.prompt_lens, with_entropy=True, entropy_grad=settings.entropy_coef != 0
+            engine, packed, mb.prompt_lens, with_entropy=True, entropy_grad=settings.policy.entropy_coef != 0
         )
         assert entropy_rows is not None  # with_entropy
         logprobs, entropy = pad_right(logprob_rows, T), pad_right(entropy_rows, T)  # (b, T) each
-        loss = actor_token_loss(logprobs, entropy, mb, settings)
+        loss = actor_token_loss(logprobs, entropy, mb, settings.policy)
         mask = mb.mask.float()
-        engine.backward((loss.per_token * mask).sum() * (float("nan") if poison else scale))
+        engine.backward(faults.poisoned((loss.per_token * mask).sum() * scale, iteration + 1))
         with torch.no_grad():
             approx_kl = 0.5 * (logprobs - mb.old_logprobs) ** 2  # Schulman's k2 of KL(old || new)
             per_token = [loss.pg.loss, loss.pg.clipped.float(), approx_kl, entropy]
@@ -141,14 +102,7 @@ def actor_step(
 
 
 def critic_step(
-    engine,
-    batch: Experience,
-    value_weights: torch.Tensor,
-    value_clip: float,
-    max_tokens: int,
-    pad_id: int,
-    share_prompts: bool = True,
-    values_gae: GaeSettings | None = None,
+    engine, batch: Experience, settings: UpdateSettings, values_gae: GaeSettings | None = None
 ) -> dict[str, float]:
     """Clipped value loss around the rollout's values; returns summed stats. ``values_gae``: the
     rollout's values are this step's own (its weights sampled the rollout): each micro-batch's
@@ -157,15 +111,16 @@ def critic_step(
     world = torch.distributed.get_world_size()
     scale = token_mean_scale(global_token_count(batch.mask), world)
     sums = torch.zeros(4, dtype=torch.float64)  # vf_loss, clipped tokens, value, tokens
-    for rows, mb, packed in _micro_batches(engine, batch, max_tokens, pad_id, share_prompts):
+    for rows, mb, packed in _micro_batches(engine, batch, settings):
         values = pad_right(
-            response_values(packed_forward(engine, packed), packed, mb.prompt_lens, value_weights), mb.mask.shape[1]
+            response_values(packed_forward(engine, packed), packed, mb.prompt_lens, settings.value_weights),
+            mb.mask.shape[1],
         )
         if values_gae is not None:
             mb.old_values = values.detach()
             mb.returns = gae(mb.rewards, mb.old_values, mb.mask, values_gae.gamma, values_gae.lam)[1]
             batch.old_values[rows] = mb.old_values
-        vf = clipped_value_loss(values, mb.old_values, mb.returns, value_clip)
+        vf = clipped_value_loss(values, mb.old_values, mb.returns, settings.value_clip)
         mask = mb.mask.float()
         engine.backward((vf.loss * mask).sum() * scale)
         with torch.no_grad():
@@ -187,49 +142,40 @@ def update_on_rollout(
     actor,
     critic,
     exp: Experience,
+    settings: UpdateSettings,
     *,
-    settings: PolicyLossSettings,
-    value_weights: torch.Tensor,
-    value_clip: float,
-    ppo_epochs: int,
-    mini_batch_size: int,
-    max_tokens: int,
-    pad_id: int,
+    iteration: int,
     train_actor: bool,
-    share_prompts: bool,
-    seed: int,
-    poison: bool,
     after_step: Callable[[object, str], None],
-    values_gae: GaeSettings | None = None,
 ) -> dict[str, float]:
-    """``ppo_epochs`` passes over this rank's rollout in shuffled mini-batches of
-    ``mini_batch_size`` sequences over all ranks (the same shuffle for a given ``seed``): a critic
-    step (none when ``critic`` is None: a critic-free estimator), then an actor step unless
-    ``train_actor`` is false (critic warm-up). ``share_prompts``: the samples of a prompt that fall
-    in one mini-batch compute it once.
+    """``settings.ppo_epochs`` passes over this rank's rollout in shuffled mini-batches of
+    ``settings.mini_batch_size`` sequences over all ranks (the shuffle drawn from ``settings.seed``
+    and 0-based ``iteration``): a critic step (none when ``critic`` is None: a critic-free
+    estimator), then an actor step unless ``train_actor`` is false (critic warm-up). The samples of
+    a prompt that fall in one mini-batch compute it once (``settings.share_prompts``).
     ``after_step(engine, name)`` runs after each optimizer step (the non-finite guard).
-    ``values_gae`` (the rollout is one mini-batch, made by :func:`engine.ppo.experience.make_experience`
-    with ``values_from_update``): the first critic step's forward, on the weights that were the
-    rollout's, gives the old values; GAE's advantages and returns follow, before any actor step.
+    ``settings.values_gae`` (the rollout is one mini-batch, made by
+    :func:`engine.ppo.experience.make_experience` with ``values_from_update``): the first critic
+    step's forward, on the weights that were the rollout's, gives the old values; GAE's advantages
+    and returns follow, before any actor step.
     Returns each statistic's mean over the mini-batches."""
     for engine in (actor, critic):
         if engine is not None:
             engine.train()
-    local_mb = mini_batch_size // torch.distributed.get_world_size()
-    generator = torch.Generator().manual_seed(seed)
+    local_mb = settings.mini_batch_size // torch.distributed.get_world_size()
+    generator = torch.Generator().manual_seed(settings.seed * 100_003 + iteration)
     stats: dict[str, list[float]] = {}
+    values_gae = settings.values_gae
     if values_gae is not None and (critic is None or local_mb < len(exp.sequences)):
         raise ValueError("values from the update need a critic and the rollout as one mini-batch")
-    for _ in range(ppo_epochs):
+    for _ in range(settings.ppo_epochs):
         perm = torch.randperm(len(exp.sequences), generator=generator).tolist()
         for k in range(0, len(perm), local_mb):
             rows = perm[k : k + local_mb]
             mb = exp.select(rows)
             step_stats = {}
             if critic is not None:
-                step_stats = critic_step(
-                    critic, mb, value_weights, value_clip, max_tokens, pad_id, share_prompts, values_gae
-                )
+                step_stats = critic_step(critic, mb, settings, values_gae)
                 after_step(critic, "critic")
             if values_gae is not None:
                 exp.old_values[torch.tensor(rows)] = mb.old_values
@@ -246,7 +192,7 @@ def update_on_rollout(
                 )
                 mb, values_gae = exp.select(rows), None
             if train_actor:
-                step_stats |= actor_step(actor, mb, settings, max_tokens, pad_id, poison, share_prompts)
+                step_stats |= actor_step(actor, mb, settings, iteration)
                 after_step(actor, "actor")
             for key, value in step_stats.items():
                 stats.setdefault(key, []).append(value)

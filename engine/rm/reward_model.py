@@ -1,16 +1,26 @@
-"""Scoring preference pairs with a (packed) value model, training-step metrics and evaluation."""
+"""Scoring preference pairs with a (packed) value model, the training step, its metrics and
+evaluation.
+
+Loss of a step: the mean over its pairs of ``total_loss_coef`` x the BT loss of the weighted total
+plus ``center_coef`` x the centering term, plus each component's BT loss averaged over the pairs
+that carry its label, whatever the packing, the micro-batching and the number of ranks (each
+micro-batch's sums are scaled by ``world / count``, engine/data/batching.py ``token_mean_scale``).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from engine.data.batching import plan_global
+from engine.data.batching import plan_global, token_mean_scale
 from engine.data.packing import dummy_forward_loss, last_token, packed_forward
 from engine.data.preferences import PreferenceExample, collate_pairs
 from engine.rm.losses import PairLosses, pair_losses, weighted_total
+from engine.run import faults
 from engine.run.distributed import all_reduce
+from engine.run_config import RMSection
 
 
 def score_pairs(model, examples: Sequence[PreferenceExample]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,6 +105,64 @@ class PairStats:
                 metrics[f"acc_{name}"] = correct / labelled
                 metrics[f"loss_{name}"] = loss / labelled
         return metrics
+
+
+@dataclass(frozen=True)
+class RMLossSettings:
+    """The reward head's components and what a training step minimises (the ``rm`` section)."""
+
+    components: tuple[str, ...]  # one output of the head each
+    weights: torch.Tensor  # (C,) each component's weight in the total reward
+    total_loss_coef: float  # weight of the BT loss of the total on the overall preference
+    center_coef: float  # weight of the centering term
+
+    @classmethod
+    def from_config(cls, rm: RMSection) -> RMLossSettings:
+        components = tuple(rm.components)
+        return cls(components, torch.tensor([rm.components[c] for c in components]), rm.total_loss_coef, rm.center_coef)
+
+
+def rm_step(
+    engine,
+    examples: Sequence[PreferenceExample],
+    settings: RMLossSettings,
+    max_tokens: int,
+    pad_token_id: int,
+    step: int,
+) -> dict[str, float]:
+    """Optimizer step ``step`` (1-based) over a global mini-batch of pairs (every rank holds the
+    whole list; each packs its share into token-budget micro-batches). Returns the
+    :class:`PairStats` metrics and ``loss``, the minimised total."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    plan = plan_global([e.num_tokens for e in examples], max_tokens, world)[rank]
+    # Global counts: each loss term is a mean over the whole mini-batch (engine/data/batching.py).
+    n_pairs = len(examples)
+    n_labelled = torch.tensor([e.labels for e in examples]).ne(0).sum(0).tolist()  # per component
+    stats = PairStats(settings.components)
+    for micro in plan:
+        if not micro:
+            engine.backward(dummy_forward_loss(engine, pad_token_id))
+            continue
+        batch = [examples[i] for i in micro]
+        r_chosen, r_rejected = score_pairs(engine, batch)
+        _, margins, labels = collate_pairs(batch)
+        losses = pair_losses(r_chosen, r_rejected, settings.weights, margins, labels)
+        loss = (
+            settings.total_loss_coef * losses.total.sum() + settings.center_coef * losses.center.sum()
+        ) * token_mean_scale(n_pairs, world)
+        for c, n in enumerate(n_labelled):
+            if n:
+                loss = loss + losses.component[:, c].sum() * token_mean_scale(n, world)
+        engine.backward(faults.poisoned(loss, step))
+        stats.add(r_chosen, r_rejected, settings.weights, labels, losses)
+    engine.step()
+    metrics = stats.reduce()
+    metrics["loss"] = (
+        settings.total_loss_coef * metrics["loss_total"]
+        + settings.center_coef * metrics["center"]
+        + sum(metrics.get(f"loss_{name}", 0.0) for name in settings.components)
+    )
+    return metrics
 
 
 @torch.no_grad()

@@ -228,13 +228,8 @@ def ppo_plan(cfg, prompts: list, eval_prompts: list, tokenizer, ds_config: dict[
         f"{cfg.ppo.ppo_epochs * per_iteration // cfg.ppo.mini_batch_size} "
         "optimizer steps per iteration per trained model"
     )
-    components = None if cfg.critic.init_from == "reward_model" else ["value"]
-    critic_path = cfg.reward_model.path if cfg.critic.init_from == "reward_model" else cfg.actor.path
-    critic = (
-        [("critic", critic_path, True, components, True, cfg.critic.lora)]
-        if cfg.ppo.advantage_estimator == "gae"
-        else []
-    )
+    source = cfg.critic_source()
+    critic = [("critic", source.path, True, source.components, True, cfg.critic.lora)] if cfg.has_critic() else []
     reference = [] if cfg.actor.lora.rank else [("reference", cfg.actor.path, False, None, False)]
     print("models:")
     print_models(
@@ -249,7 +244,7 @@ def ppo_plan(cfg, prompts: list, eval_prompts: list, tokenizer, ds_config: dict[
         cfg.actor,
     )
     if not critic:
-        total, largest = parameter_counts(critic_path, True, components, cfg.actor.trust_remote_code)
+        total, largest = parameter_counts(source.path, True, source.components, cfg.actor.trust_remote_code)
         print(
             f"  critic       none: ppo.advantage_estimator {cfg.ppo.advantage_estimator} needs no value model "
             f"(saves {trained_memory(total, largest, ds_config, world)})"

@@ -1,11 +1,14 @@
-"""Fault injection for the crash-safety tests (and for trying the guards by hand).
+"""Fault injection for the crash-safety tests (and for trying the guards by hand): the one test
+hook. Production code calls these functions where the fault would strike; none of its
+signatures carries a fault.
 
 ``RLHF_FAULTS`` holds a JSON object; unset, nothing is injected. Keys:
 
-- ``nan_loss_at_steps``: RM optimizer steps, or PPO iterations (every actor step in them), 1-based,
-  whose loss is multiplied by NaN, e.g. ``[3, 4]``;
+- ``nan_loss_at_steps``: RM and SFT optimizer steps, or PPO iterations (every actor step in them),
+  1-based, whose loss is multiplied by NaN, e.g. ``[3, 4]`` (:func:`poisoned`);
 - ``eval_reward_offset``: ``{"<iteration>": offset}`` added to PPO's held-out reward there, the
-  first time that iteration is evaluated (a rollback re-runs it without the fault);
+  first time that iteration is evaluated (a rollback re-runs it without the fault;
+  :func:`offset_eval_reward`);
 - ``kill_in_checkpoint_at``: the step whose checkpoint save is cut by SIGKILL after the engine
   states are written and before the directory is renamed into place;
 - ``fail_checkpoint_write_at``: the step whose checkpoint save fails with "No space left on device".
@@ -16,7 +19,10 @@ from __future__ import annotations
 import functools
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 ENV = "RLHF_FAULTS"
 
@@ -35,19 +41,22 @@ def _faults() -> dict[str, Any]:
     return faults
 
 
-def nan_loss_at(step: int) -> bool:
-    return step in _faults().get("nan_loss_at_steps", [])
+def poisoned(loss: torch.Tensor, step: int) -> torch.Tensor:
+    """The ``loss`` to backpropagate at 1-based ``step``: times NaN at a step of ``nan_loss_at_steps``
+    (its gradient is non-finite, so DeepSpeed discards the step), else ``loss`` itself."""
+    return loss * float("nan") if step in _faults().get("nan_loss_at_steps", []) else loss
 
 
 _spent: set[str] = set()
 
 
-def eval_reward_offset(iteration: int) -> float:
+def offset_eval_reward(reward: float, iteration: int) -> float:
+    """PPO's held-out ``reward`` at ``iteration``, plus its ``eval_reward_offset`` the first time
+    that iteration is evaluated."""
     key = str(iteration)
-    if key in _spent:
-        return 0.0
+    offset = 0.0 if key in _spent else float(_faults().get("eval_reward_offset", {}).get(key, 0.0))
     _spent.add(key)
-    return float(_faults().get("eval_reward_offset", {}).get(key, 0.0))
+    return reward + offset
 
 
 def kill_in_checkpoint_at(step: int) -> bool:

@@ -13,7 +13,7 @@ What it guarantees:
 * Nothing a user made is destroyed. A fresh run into a directory that holds a run (metrics,
   checkpoints, an exported model) is refused unless ``--overwrite``; ``--resume`` without a
   usable checkpoint is refused, saying what was found. Both are decided before any model
-  loads, and leave the directory as it was.
+  loads, and leave the directory as it was (engine/run/output_dir.py).
 * One source of truth for "the checkpoint to resume": ``checkpoints/latest``
   (engine/run/checkpoint.py).
 * Everything that must survive a resume is registered (:meth:`track`): guards, the KL
@@ -26,7 +26,6 @@ What it guarantees:
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -42,31 +41,15 @@ from engine.run.checkpoint import (
     OutputDirError,
     ResumeError,
     checkpoint_bytes,
-    describe_checkpoints,
-    latest_checkpoint,
     load_checkpoint,
     parameter_count,
     preflight_output_dir,
     rewind_to,
     save_checkpoint,
 )
-from engine.run.distributed import ranks_not_sharing
 from engine.run.guards import NonFiniteGuard, RollbackGuard, TrainingAborted
 from engine.run.launch import GracefulStop, RunArgs, RunRefused
-
-# What a run writes into its output directory (besides the exported model). --overwrite removes
-# these and nothing else: a user's own files there stay.
-RUN_FILES = (
-    "metrics.jsonl",
-    "events.jsonl",
-    "samples.jsonl",
-    "config.json",
-    "report.html",
-    "report",
-    "tensorboard",
-    "wandb",
-    "checkpoints",
-)
+from engine.run.output_dir import check_output_dir, remove_run
 
 
 class Checkpointable(Protocol):
@@ -82,16 +65,6 @@ class RunEnded(Exception):
     def __init__(self, code: int, message: str):
         super().__init__(message)
         self.code = code
-
-
-def existing_run(output_dir: str, export_dir: str) -> list[str]:
-    """The parts of an earlier run found in ``output_dir`` (empty files and folders do not count)."""
-    found = []
-    for name in (*RUN_FILES, export_dir):
-        path = os.path.join(output_dir, name)
-        if (os.path.isfile(path) and os.path.getsize(path) > 0) or (os.path.isdir(path) and os.listdir(path)):
-            found.append(name)
-    return found
 
 
 class RunLifecycle:
@@ -125,39 +98,8 @@ class RunLifecycle:
         self._at_finish: list[Callable[[], None]] = []
         self.rollback: RollbackGuard | None = None
         self.rollback_lr_factor = 1.0
-        self.resume_from = self._check_output_dir()
-
-    # --- before any model loads -----------------------------------------------------------
-    def _check_output_dir(self) -> str | None:
-        """The checkpoint to resume (None for a fresh run); :class:`RunRefused` when the run must not start."""
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            blind = ranks_not_sharing(self.output_dir)
-            if blind:
-                raise RunRefused(
-                    "output",
-                    f"logging.output_dir {self.output_dir} is not one directory for all ranks: {', '.join(blind)} "
-                    "cannot see the files rank 0 writes there. Every rank writes its share of each checkpoint there "
-                    "and reads them all on --resume: put it on a filesystem every node mounts (NFS, Lustre, ...); "
-                    "nothing was changed.",
-                )
-        found = existing_run(self.output_dir, self.export_dir)
-        if self.run_args.resume:
-            path = latest_checkpoint(self.ckpt_root)
-            if path is None:
-                raise RunRefused(
-                    "resume",
-                    f"nothing to resume: {describe_checkpoints(self.ckpt_root)}. To start afresh, run without "
-                    + ("--resume and with --overwrite (this replaces the run there)" if found else "--resume")
-                    + " or choose another logging.output_dir; nothing was changed.",
-                )
-            return path
-        if found and not self.run_args.overwrite:
-            raise RunRefused(
-                "output",
-                f"{self.output_dir} already holds a run ({', '.join(found)}). Continue it with --resume, replace "
-                "it with --overwrite, or choose another logging.output_dir; nothing was changed.",
-            )
-        return None
+        # Before any model loads: the checkpoint to resume, or RunRefused.
+        self.resume_from = check_output_dir(output_dir, export_dir, self.ckpt_root, run_args)
 
     # --- the registry -------------------------------------------------------------------------
     def track(self, name: str, obj: Checkpointable, *, rolls_back: bool) -> None:
@@ -207,8 +149,7 @@ class RunLifecycle:
         ``lr_engine``'s LR. Register with :meth:`track` and :meth:`after_restore` before."""
         self.engines, self.lr_engine = engines, lr_engine
         if self.run_args.overwrite and self.rank == 0:
-            for name in (*RUN_FILES, self.export_dir):
-                _remove(os.path.join(self.output_dir, name))
+            remove_run(self.output_dir, self.export_dir)
         trained = checkpoint_bytes([e.module for e in engines.values()])
         try:  # room for keep_last + 1 checkpoints (a new one is written before the oldest goes) and the export
             preflight_output_dir(
@@ -370,10 +311,3 @@ class RunLifecycle:
             print(message, file=sys.stderr if code else sys.stdout)
             print(f"report: {write_report(self.output_dir)}")
         return code
-
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path):
-        shutil.rmtree(path)
-    elif os.path.exists(path):
-        os.remove(path)

@@ -19,6 +19,7 @@ import torch
 from engine.data.batching import plan_global, token_mean_scale
 from engine.data.conversations import Conversation
 from engine.data.packing import PackedBatch, dummy_forward_loss, pack_sequences, packed_forward, target_logprobs
+from engine.run import faults
 from engine.run.distributed import all_reduce
 
 
@@ -62,11 +63,10 @@ class TokenStats:
 
 
 def sft_step(
-    engine, conversations: Sequence[Conversation], max_tokens: int, pad_token_id: int, poison: bool = False
+    engine, conversations: Sequence[Conversation], max_tokens: int, pad_token_id: int, step: int
 ) -> dict[str, float]:
-    """One optimizer step over a global mini-batch (every rank holds the whole list; each packs
-    its share into token-budget micro-batches). ``poison`` multiplies the loss by NaN (fault
-    injection, engine/run/faults.py)."""
+    """Optimizer step ``step`` (1-based) over a global mini-batch (every rank holds the whole list;
+    each packs its share into token-budget micro-batches)."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     scale = token_mean_scale(sum(c.num_trained for c in conversations), world)
     stats = TokenStats()
@@ -78,7 +78,7 @@ def sft_step(
         packed = pack_sequences([c.input_ids for c in batch], pad_token_id)
         nll = token_nll(engine, packed, batch)
         loss = nll.sum() * scale
-        engine.backward(loss * float("nan") if poison else loss)
+        engine.backward(faults.poisoned(loss, step))
         stats.add(nll, packed.num_tokens)
     engine.step()
     return stats.reduce()

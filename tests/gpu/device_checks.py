@@ -14,7 +14,7 @@ import torch
 
 from engine.data.packing import last_token, pack_sequences, packed_forward
 from engine.models.loading import load_causal_lm, load_value_model, resolve_attention
-from engine.ppo.experience import response_logprobs, response_values
+from engine.ppo.forwards import response_logprobs, response_values
 from engine.rollout.sampler import HFSampler, SamplingSettings
 from engine.run.checkpoint import rng_state, set_rng_state
 from engine.run.distributed import all_reduce

@@ -9,7 +9,7 @@ step (lr 1, no clipping: ``before - after`` is the averaged gradient) of
   and backpropagates the BT loss;
 - PPO's actor and critic (engine/ppo/update.actor_step, critic_step) on this rank's samples,
   three per prompt, their prompt packed once or with every sample; the old log-probs come from
-  an experience forward (engine/ppo/experience.sequence_logprobs), computed both ways.
+  an experience forward (engine/ppo/forwards.sequence_logprobs), computed both ways.
 Rank 0 prints one JSON line: per model and stage the largest weight difference between the two
 packings after the step and the largest update, the largest log-prob gap of the experience
 forwards, and the tokens each packing computed.
@@ -27,8 +27,10 @@ from engine.data.batching import plan_global, token_mean_scale
 from engine.data.packing import dummy_forward_loss
 from engine.data.preferences import collate_pairs, load_preferences
 from engine.models.loading import load_causal_lm, load_value_model
-from engine.ppo.experience import Experience, micro_batches, pad_right, sequence_logprobs
-from engine.ppo.update import PolicyLossSettings, actor_step, critic_step
+from engine.ppo.experience import Experience
+from engine.ppo.forwards import micro_batches, pad_right, sequence_logprobs
+from engine.ppo.settings import PolicyLossSettings, UpdateSettings
+from engine.ppo.update import actor_step, critic_step
 from engine.rm.losses import pair_losses
 from engine.rm.reward_model import score_pairs
 from engine.run.distributed import all_reduce, shutdown_distributed
@@ -113,8 +115,19 @@ def ppo_step(model_dir: str, stage: int, rank: int, share: bool, samples) -> dic
     gap = (torch.cat(old) - torch.cat(old_shared)).abs().max().reshape(1)
     exp = experience(sequences, prompt_lens, old, rank)
     before = {"actor": full_weights(actor), "critic": full_weights(critic)}
-    actor_step(actor, exp, SETTINGS, MAX_TOKENS, 0, share_prompts=share)
-    critic_step(critic, exp, torch.ones(1), 0.2, MAX_TOKENS, 0, share_prompts=share)
+    settings = UpdateSettings(
+        policy=SETTINGS,
+        value_weights=torch.ones(1),
+        value_clip=0.2,
+        ppo_epochs=1,
+        mini_batch_size=len(sequences),  # the steps take the whole experience (update_on_rollout cuts it)
+        max_tokens=MAX_TOKENS,
+        pad_token_id=0,
+        seed=0,
+        share_prompts=share,
+    )
+    actor_step(actor, exp, settings, iteration=0)
+    critic_step(critic, exp, settings)
     after = {"actor": full_weights(actor), "critic": full_weights(critic)}
     tokens = torch.tensor(
         [float(sum(p.num_tokens for _, p in micro_batches(actor, sequences, prompt_lens, MAX_TOKENS, 0, share)))]

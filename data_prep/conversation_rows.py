@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from data_prep.preferences import DroppedRow, InvalidRow, Message, parse_messages, parse_response, split_hh_dialogue
+from data_prep.preference_rows import DroppedRow, InvalidRow, Message, parse_messages, parse_response, split_hh_dialogue
 from data_prep.sources import BadJSON
 
 

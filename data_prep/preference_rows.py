@@ -13,7 +13,8 @@ Two input shapes are understood:
 
 Malformed rows raise :class:`InvalidRow` (reason + field). Well-formed rows that should not be
 trained on (identical or empty responses, HH rows whose dialogues diverge before the last turn)
-raise :class:`DroppedRow`. Both are counted by reason by the caller.
+raise :class:`DroppedRow`. Both are counted by reason by the caller. Both, and the message
+parsers, serve the SFT rows too (data_prep/conversation_rows.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,116 @@
+"""The models of a PPO run: four DeepSpeed engines in one process group
+(:func:`build_hybrid_engine`), and the sampler built after them (:func:`build_sampler`).
+
+Which models a run has, and where the critic starts, is the config's to say
+(:meth:`engine.run_config.PPOConfig.has_critic`, :meth:`~engine.run_config.PPOConfig.critic_source`);
+the dry run (engine/run/dry_run.py) prices the same models.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from peft import PeftModel
+from transformers import PreTrainedModel
+
+from engine.models.deepspeed_glue import (
+    frozen_engine,
+    inference_ds_config,
+    initialize_training_engine,
+    load_partitioned,
+)
+from engine.models.loading import load_causal_lm, load_value_model
+from engine.models.lora import ReferenceView, add_adapters
+from engine.ppo.rewards import RewardScorer
+from engine.rollout.sampler import HFSampler, VLLMSampler
+from engine.run_config import PPOConfig
+
+
+class HybridEngine(NamedTuple):
+    """The four models of a PPO run as DeepSpeed engines in one process group."""
+
+    actor: Any  # trained
+    critic: Any  # trained; None with a critic-free advantage estimator
+    ref: Any  # frozen: the actor's starting weights (LoRA: the actor with its adapters disabled)
+    reward_model: Any  # frozen
+    keep_alive: Any  # hold while the engines live (engine/models/deepspeed_glue.load_partitioned)
+
+
+def build_hybrid_engine(cfg: PPOConfig, ds_config: dict) -> HybridEngine:
+    """The run's models, partitioned as they load (ZeRO-3): the actor and the critic (a critic-free
+    estimator: none) as training engines on the run's schedule, ``ppo_epochs x rollout batch /
+    mini_batch_size`` optimizer steps per iteration; the reference (a LoRA actor: none, the actor
+    with its adapters off) and the reward model frozen."""
+    model_kw: dict[str, Any] = dict(
+        dtype=torch.bfloat16 if cfg.actor.bf16 else torch.float32,
+        attn_implementation=cfg.actor.attn_implementation,
+        trust_remote_code=cfg.actor.trust_remote_code,
+    )
+    actor: PreTrainedModel | PeftModel  # with LoRA, the adapters around the model
+    actor, keep_alive = load_partitioned(lambda: load_causal_lm(cfg.actor.path, **model_kw), ds_config)
+    if cfg.actor.lora.rank:
+        actor = add_adapters(actor, cfg.actor.lora, causal_lm=True)
+    ref = (
+        None
+        if cfg.actor.lora.rank
+        else load_partitioned(lambda: load_causal_lm(cfg.actor.path, **model_kw), ds_config)[0]
+    )
+    reward_model, _ = load_partitioned(lambda: load_value_model(cfg.reward_model.path, **model_kw), ds_config)
+    critic: PreTrainedModel | PeftModel | None = None
+    if cfg.has_critic():
+        source = cfg.critic_source()
+        critic, _ = load_partitioned(lambda: load_value_model(source.path, source.components, **model_kw), ds_config)
+        if cfg.critic.lora.rank:
+            critic = add_adapters(critic, cfg.critic.lora, causal_lm=False)
+    if cfg.actor.gradient_checkpointing:
+        for m in (actor, critic):
+            if m is not None:
+                m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    iterations = cfg.train.iterations
+    steps_per_iteration = (
+        cfg.ppo.ppo_epochs
+        * cfg.rollout.prompts_per_iteration
+        * cfg.rollout.samples_per_prompt
+        // cfg.ppo.mini_batch_size
+    )
+    optim: dict[str, Any] = dict(
+        betas=tuple(cfg.optim.betas),
+        weight_decay=cfg.optim.weight_decay,
+        lr_scheduler=cfg.optim.lr_scheduler,
+        warmup_steps=int(cfg.optim.warmup_ratio * iterations * steps_per_iteration),
+        total_steps=iterations * steps_per_iteration,
+    )
+    frozen_config = inference_ds_config(ds_config)
+    actor_engine = initialize_training_engine(actor, ds_config, lr=cfg.optim.lr, **optim)
+    return HybridEngine(
+        actor=actor_engine,
+        critic=initialize_training_engine(critic, ds_config, lr=cfg.critic.lr, **optim) if critic is not None else None,
+        ref=frozen_engine(ref, frozen_config) if ref is not None else ReferenceView(actor_engine),  # LoRA: adapters off
+        reward_model=frozen_engine(reward_model, frozen_config),
+        keep_alive=keep_alive,
+    )
+
+
+def critic_value_weights(cfg: PPOConfig, scorer: RewardScorer) -> torch.Tensor:
+    """(C,) weights of the critic's outputs in its value: a critic that kept the reward model's
+    head weighs its components as the reward model's total does; a new head has one output."""
+    return scorer.weights if cfg.critic_source().components is None else torch.ones(1)
+
+
+def build_sampler(cfg: PPOConfig, actor_engine, tokenizer, rank: int):
+    """vLLM in this process (after the engines: its external_launcher reuses their group), or HF generate."""
+    if cfg.rollout.sampler == "hf":
+        return HFSampler(actor_engine, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    tp = cfg.rollout.tensor_parallel_size  # the ranks of a TP group run one engine: the same seed
+    return VLLMSampler(
+        cfg.actor.path,
+        seed=cfg.train.seed * 1000 + rank // tp,
+        dtype="bfloat16" if cfg.actor.bf16 else "float32",
+        max_model_len=cfg.rollout.vllm_max_model_len,
+        eos_token_id=tokenizer.eos_token_id,
+        kv_cache_bytes=cfg.rollout.vllm_kv_cache_mb << 20,
+        gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
+        sleep_between_rollouts=cfg.rollout.vllm_sleep,
+        tensor_parallel_size=tp,
+    )
