@@ -8,8 +8,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 # Lowest first. A module may import from its own layer's package and from layers below it; sft, rm
-# and ppo are peers that never import each other. engine/config.py and engine/run_config.py (the config
-# schema) sit under everything; train/ sits on top. The models (loading, LoRA, DeepSpeed engines) sit under the
+# and ppo are peers that never import each other. engine/config.py and the engine/run_config/ package (the
+# config schema) sit under everything; train/ sits on top. The models (loading, LoRA, DeepSpeed engines) sit under the
 # run (process group, launch, lifecycle, checkpoints, guards) that drives them.
 LAYERS = [
     ("engine.config", "engine.run_config"),
@@ -60,10 +60,15 @@ def layer_of(module: str) -> int:
     raise AssertionError(f"{module} is in no layer: add its package to LAYERS")
 
 
+CONFIG_PACKAGES = ("engine.run_config",)  # with the modules at engine/'s top, the config
+
+
 def package_of(module: str) -> str:
-    """engine.<subpackage>, "engine" for the modules at engine/'s top (the config), "train"."""
+    """engine.<subpackage>, "engine" for the config (the modules at engine/'s top and CONFIG_PACKAGES), "train"."""
     parts = module.split(".")
-    return parts[0] if parts[0] == "train" or (REPO / "engine" / f"{parts[1]}.py").exists() else ".".join(parts[:2])
+    if parts[0] == "train" or (REPO / "engine" / f"{parts[1]}.py").exists():
+        return parts[0]
+    return "engine" if ".".join(parts[:2]) in CONFIG_PACKAGES else ".".join(parts[:2])
 
 
 def sources(root: Path = REPO) -> list[Path]:

@@ -203,6 +203,7 @@ def test_sigterm_stops_with_a_checkpoint_and_a_report(tiny_model_dir, rm_run, rm
         rm_data,
         tmp_path / "run",
         checkpoint__every_steps=0,
+        data__eval_prompts="",  # no held-out evaluation: this test reads the training metrics
     )
     proc = start_launched("train_ppo.py", config)
     wait_for_step(tmp_path / "run", 2, proc)
@@ -269,6 +270,7 @@ def two_ranks_vllm(tiny_model_dir, rm_run, rm_data, tmp_path_factory):
         root / "run",
         train__iterations=2,
         train__eval_every=0,
+        data__eval_prompts="",  # no held-out evaluation: this test reads the training metrics
         checkpoint__every_steps=1,
     )
     result = launch("train_ppo.py", config, *TWO_RANK_ARGS, ranks=2)
@@ -345,6 +347,7 @@ def test_actor_loss_settings_change_the_actor_update_only(tiny_model_dir, rm_run
             tmp_path / name,
             train__iterations=2,
             train__eval_every=0,
+            data__eval_prompts="",  # no held-out evaluation: this test reads the training metrics
             checkpoint__every_steps=0,
             rollout__sampler="hf",
             ppo__mini_batch_size=16,
@@ -476,7 +479,7 @@ def test_lora_actor_and_critic_learn_resume_exactly_and_export_adapter_and_merge
         ppo__kl_coef=0.2,
         train__iterations=8,
         train__eval_every=0,
-        checkpoint__every_steps=4,
+        checkpoint__every_steps=3,
     )
     launch("train_ppo.py", config)
     run = tmp_path / "run"
@@ -484,7 +487,7 @@ def test_lora_actor_and_critic_learn_resume_exactly_and_export_adapter_and_merge
     assert held_out[8] > held_out[0] + 0.2, held_out
     assert max(metric_series(run, "ppo/sampler_logprob_gap").values()) < 1e-4  # vLLM holds W + BA after every sync
     assert metric_series(run, "eval/kl")[0] == 0.0  # adapters start at B = 0: the policy is the reference
-    saved = sum(f.stat().st_size for f in (run / "checkpoints" / "step00000004" / "actor").rglob("*"))
+    saved = sum(f.stat().st_size for f in (run / "checkpoints" / "step00000003" / "actor").rglob("*"))
     full = sum(f.stat().st_size for f in (sft_root / "run" / "model").glob("*.safetensors"))
     assert saved < full, (saved, full)  # adapters, their Adam states and the schedule only
 
@@ -493,11 +496,11 @@ def test_lora_actor_and_critic_learn_resume_exactly_and_export_adapter_and_merge
     shutil.rmtree(resumed / "actor")
     assert (
         resumed / "checkpoints" / "latest"
-    ).read_text().strip() == "step00000004"  # the last iteration exports instead
+    ).read_text().strip() == "step00000006"  # the last iteration exports instead
     config_data = json.loads(config.read_text())
     config_data["logging"]["output_dir"] = str(resumed)
     (tmp_path / "resume.json").write_text(json.dumps(config_data))
-    assert "resumed at iteration 4" in launch("train_ppo.py", tmp_path / "resume.json", "--resume").stdout
+    assert "resumed at iteration 6" in launch("train_ppo.py", tmp_path / "resume.json", "--resume").stdout
     for key in DETERMINISTIC:
         assert_repeats(metric_series(resumed, key), metric_series(run, key), what=key)
 

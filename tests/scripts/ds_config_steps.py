@@ -2,7 +2,7 @@
 
     python tests/scripts/ds_config_steps.py MODEL_DIR DS_CONFIG [DS_CONFIG ...] [--steps 3] [--save-weights DIR]
 
-Each config goes the way the train scripts take it (engine/run_config.py and
+Each config goes the way the train scripts take it (engine/run_config/common.py and
 engine/models/deepspeed_glue.py): dtype resolved from its ``bf16`` section, adapted by
 ``training_ds_config``, weights loaded partitioned, torch AdamW in ``initialize_training_engine``.
 The configs run one after another in this process (one start-up for all).
