@@ -172,23 +172,36 @@ def parse_overrides(argv: Sequence[str]) -> dict[str, Any]:
 
 
 def _set_dotted(cls: Any, data: dict[str, Any], key: str, value: Any) -> None:
-    """Put an override into the raw data, checking its path against the schema first."""
+    """Put an override into the raw data, checking its path against the schema first (an optional
+    section the file leaves out or null is created; in a dict of sections, a part names the entry)."""
     node, node_cls = data, cls
     parts = key.split(".")
-    for depth, part in enumerate(parts):
-        fields = node_cls.model_fields
+    depth = 0
+    while True:
+        part, fields = parts[depth], node_cls.model_fields
         if part not in fields:
             raise ConfigError(f"command line: unknown key '--{key}'{_suggest(part, fields, '.'.join(parts[:depth]))}")
         if depth == len(parts) - 1:
             node[part] = value
             return
-        field_type = fields[part].annotation
-        if not _is_section(field_type):
+        node_cls = _section_or_type(fields[part].annotation)
+        entries = _entry_section(node_cls)
+        if not (_is_section(node_cls) or (entries and depth + 2 < len(parts))):
             raise ConfigError(f"command line: '--{key}': '{part}' is not a section")
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"command line: '--{key}': '{part}' in the file is not an object")
-        node, node_cls = child, field_type
+        node = _child(node, part, key)
+        if entries:
+            depth += 1
+            node, node_cls = _child(node, parts[depth], key), entries
+        depth += 1
+
+
+def _child(node: dict[str, Any], part: str, key: str) -> dict[str, Any]:
+    child = node.setdefault(part, {})
+    if child is None:  # an optional section the file left null
+        child = node[part] = {}
+    if not isinstance(child, dict):
+        raise ConfigError(f"command line: '--{key}': '{part}' in the file is not an object")
+    return child
 
 
 _EXPECTED = {
@@ -215,7 +228,9 @@ def _message(cls: type[Config], err: Any) -> str:
         if kind == "extra_forbidden" and depth == len(loc) - 1:
             return f"unknown key '{key}'{_suggest(str(part), fields, _dotted(loc[:-1]))}"
         if part in fields:
-            field, field_depth, model = fields[part], depth + 1, fields[part].annotation
+            field, field_depth, model = fields[part], depth + 1, _section_or_type(fields[part].annotation)
+        elif _is_section(entries := _entry_section(model)):  # the name of an entry of a dict of sections
+            field_depth, model = depth + 1, entries
     if kind == "missing":
         return f"missing required key '{key}' ({field.description if field else ''})"
     if kind in _EXPECTED:
@@ -244,6 +259,18 @@ def _dotted(loc: tuple[int | str, ...]) -> str:
 
 def _is_section(tp: Any) -> bool:
     return isinstance(tp, type) and issubclass(tp, Config)
+
+
+def _section_or_type(tp: Any) -> Any:
+    """The section of an optional section (``Section | None``), else ``tp``."""
+    sections = [a for a in typing.get_args(tp) if _is_section(a)] if type(None) in typing.get_args(tp) else []
+    return sections[0] if len(sections) == 1 else tp
+
+
+def _entry_section(tp: Any) -> Any:
+    """The entries' section of a ``dict[str, Section]``, else None."""
+    args = typing.get_args(tp)
+    return args[1] if typing.get_origin(tp) is dict and len(args) == 2 and _is_section(args[1]) else None
 
 
 def _suggest(key: str, fields: dict[str, Any], section: str) -> str:

@@ -38,29 +38,38 @@ def reference() -> str:
     for name, schema in schemas().items():
         script = name.removesuffix(".schema.json")
         lines += [f"## train/{script}.py", "", f"Schema: `ds_configs/schema/{name}`.", ""]
-        lines += _section_tables(schema, prefix="", title="Top-level keys", required=True, help="")
+        lines += _section_tables(schema, prefix="", title="Top-level keys", note="", help="")
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def _section_tables(schema: dict[str, Any], prefix: str, title: str, required: bool, help: str) -> list[str]:
-    """A table of the section's own keys, then one table per nested section, depth first."""
+def _section_tables(schema: dict[str, Any], prefix: str, title: str, note: str, help: str) -> list[str]:
+    """A table of the section's own keys, then one table per nested section, depth first: a section,
+    an optional section (null: off) and the entries of a dict of sections (``key.<name>``)."""
     rows, nested = [], []
     for key, prop in schema["properties"].items():
         if key == "$schema":
             continue
         dotted = prefix + key
+        optional = next((p for p in prop.get("anyOf", ()) if "properties" in p), None)
+        entries = prop.get("additionalProperties")
         if "properties" in prop:
-            nested.append((prop, dotted, key in schema["required"]))
+            nested.append((prop, dotted, " (required)" if key in schema["required"] else "", prop))
+        elif optional:
+            nested.append((optional, dotted, " (optional: absent or null turns it off)", prop))
+            rows.append(_row(dotted, {**prop, "anyOf": [{"type": "section"}, {"type": "null"}]}, False))
+        elif isinstance(entries, dict) and "properties" in entries:
+            nested.append((entries, f"{dotted}.<name>", " (one per name)", prop))
+            rows.append(_row(dotted, {**prop, "additionalProperties": {"type": "section"}}, False))
         else:
             rows.append(_row(dotted, prop, key in schema["required"]))
-    heading = f"### {title}" if not prefix else f"### `{prefix.rstrip('.')}`" + (" (required)" if required else "")
+    heading = f"### {title}" if not prefix else f"### `{prefix.rstrip('.')}`{note}"
     lines = [heading, ""]
     if help:
         lines += [_capitalise(help) + ".", ""]
     if rows:
         lines += ["| key | type | default | allowed | description |", "|---|---|---|---|---|", *rows, ""]
-    for prop, dotted, is_required in nested:
-        lines += _section_tables(prop, dotted + ".", dotted, is_required, prop.get("description", ""))
+    for section, dotted, section_note, prop in nested:
+        lines += _section_tables(section, dotted + ".", dotted, section_note, prop.get("description", ""))
     return lines
 
 

@@ -182,7 +182,8 @@ def write_rm_config(path: Path, tiny_model_dir: Path, rm_data: Path, output_dir:
 def write_ppo_config(path: Path, tiny_model_dir: Path, rm_dir: Path, data: Path, output_dir: Path, **overrides) -> Path:
     config = {
         "actor": {"path": str(tiny_model_dir)},
-        "reward_model": {"path": str(rm_dir), "clip": 5.0},
+        "reward_model": {"path": str(rm_dir)},
+        "rewards": {"clip": 5.0},
         "data": {
             "prompts": str(data / "prompts_train.parquet"),
             "eval_prompts": str(data / "prompts_validation.parquet"),

@@ -11,13 +11,16 @@ from transformers import AutoTokenizer
 
 from engine.data import packing
 from engine.data.packing import packed_forward
+from engine.data.prompts import Prompt
 from engine.models.loading import load_causal_lm, load_value_model
 from engine.ppo.engines import HybridEngine
 from engine.ppo.experience import OldLogprobSource, make_experience
 from engine.ppo.forwards import micro_batches, response_logprobs, response_values
-from engine.ppo.rewards import RewardScorer
+from engine.ppo.rewards import RewardModelScorer, RewardScorer
 from engine.ppo.settings import ExperienceSettings, GaeSettings
 from engine.rollout.sampler import Sample
+from engine.run_config.ppo import RewardModelSection
+from engine.run_config.rewards import RewardsSection
 
 PROMPT_LENS, RESPONSE_LENS = [6, 3, 9, 4], [5, 8, 2, 6]
 # k1 KL, undiscounted GAE with lam = 1 (every return is the score), whitened; micro-batches of 24 tokens
@@ -28,7 +31,7 @@ SETTINGS = ExperienceSettings(
 
 def engines(actor, critic, scorer) -> HybridEngine:
     """The models make_experience reads: the reference is the actor (the KL is zero)."""
-    return HybridEngine(actor=actor, critic=critic, ref=actor, reward_model=scorer.model, keep_alive=None)
+    return HybridEngine(actor=actor, critic=critic, ref=actor, reward_model=scorer.reward_model.model, keep_alive=None)
 
 
 @pytest.fixture(scope="module")
@@ -36,16 +39,10 @@ def models(tiny_model_dir, rm_run):
     root, _ = rm_run
     rm_dir = str(root / "run" / "model")
     torch.manual_seed(0)
-    scorer = RewardScorer(
-        load_value_model(rm_dir).eval(),
-        AutoTokenizer.from_pretrained(rm_dir),
-        rm_dir,
-        normalize=True,
-        clip=5.0,
-        rules={},
-        no_eos_penalty=0.0,
-        max_tokens=512,
+    reward_model = RewardModelScorer(
+        load_value_model(rm_dir).eval(), AutoTokenizer.from_pretrained(rm_dir), RewardModelSection(path=rm_dir), 512
     )
+    scorer = RewardScorer(reward_model, None, RewardsSection(clip=5.0))
     actor = load_causal_lm(str(tiny_model_dir)).eval()
     return (
         actor,
@@ -75,7 +72,7 @@ def grouped_samples(vocab: int) -> list[Sample]:
 def test_make_experience_equals_naive_padded_forwards(process_group, models):
     actor, critic, scorer, tokenizer = models
     batch = samples(actor.config.vocab_size)
-    prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(len(batch))]
+    prompts = [Prompt([{"role": "user", "content": f"question {i}"}], {}) for i in range(len(batch))]
     # ref = actor: the KL is zero, so each token's reward is 0 but the last (the score); gamma = lam = 1.
     exp, stats = make_experience(
         batch,
@@ -90,7 +87,7 @@ def test_make_experience_equals_naive_padded_forwards(process_group, models):
     T = max(RESPONSE_LENS)
     assert exp.mask.shape == (4, T) and exp.mask.sum(1).tolist() == RESPONSE_LENS
     texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in batch]
-    scores = scorer.score(prompts, texts, [True] * 4)[0]
+    scores = scorer.score([p.messages for p in prompts], texts, [True] * 4, RESPONSE_LENS, [{}] * 4)[0]
     torch.testing.assert_close(exp.scores, scores)
     for i, s in enumerate(batch):
         seq, p, r = torch.tensor([s.prompt_ids + s.response_ids]), len(s.prompt_ids), len(s.response_ids)
@@ -118,7 +115,7 @@ def test_old_logprobs_from_the_sampler_skip_the_actor_forward(process_group, mod
     batch = [
         Sample(s.prompt_ids, s.response_ids, [-0.5 - 0.1 * j for j in range(len(s.response_ids))], True) for s in batch
     ]
-    prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(len(batch))]
+    prompts = [Prompt([{"role": "user", "content": f"question {i}"}], {}) for i in range(len(batch))]
     no_actor = engines(actor, critic, scorer)._replace(actor=None)
     exp, stats = make_experience(
         batch, prompts, no_actor, scorer, tokenizer, SETTINGS, kl_coef=0.5, old_logprobs_from_sampler=True
@@ -135,7 +132,7 @@ def test_truncated_importance_weights_compare_the_actor_with_the_sampler(process
         Sample(s.prompt_ids, s.response_ids, [-1.0] * len(s.response_ids), True)
         for s in samples(actor.config.vocab_size)
     ]
-    prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(len(batch))]
+    prompts = [Prompt([{"role": "user", "content": f"question {i}"}], {}) for i in range(len(batch))]
     settings = replace(
         SETTINGS, gae=GaeSettings(gamma=1.0, lam=1.0, whiten=False), advantage_estimator="reinforce_pp", tis_cap=1.5
     )
@@ -174,10 +171,10 @@ def test_shared_prompts_give_the_experience_of_whole_sequences(process_group, mo
     computed once for its samples equals the one over whole sequences."""
     actor, critic, scorer, tokenizer = models
     batch = grouped_samples(actor.config.vocab_size)
-    prompts = [[{"role": "user", "content": f"question {i // 3}"}] for i in range(len(batch))]
+    prompts = [Prompt([{"role": "user", "content": f"question {i // 3}"}], {}) for i in range(len(batch))]
     results = []
     for share in (False, True):
-        monkeypatch.setattr(scorer, "share_prompts", share)
+        monkeypatch.setattr(scorer.reward_model, "share_prompts", share)
         settings = replace(
             SETTINGS, gae=GaeSettings(gamma=1.0, lam=0.95, whiten=True), share_prompts=share, tis_cap=2.0
         )

@@ -18,6 +18,7 @@ LAYERS = [
     ("engine.models",),
     ("engine.run",),
     ("engine.rollout",),
+    ("engine.rewards",),
     ("engine.sft", "engine.rm", "engine.ppo"),
     ("train",),
 ]

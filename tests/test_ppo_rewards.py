@@ -1,64 +1,180 @@
-"""The PPO score: reward-model components, normalisation, rules, no-EOS penalty, clipping."""
+"""The PPO score: reward-model heads and normalisation, reward components run in the worker pool
+(verifiers, functions with fallbacks, timeouts and the failure share), penalties, clipping."""
 
 from __future__ import annotations
 
 import json
+import textwrap
+import time
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
 from engine.models.loading import load_value_model
-from engine.ppo.rewards import RewardScorer, load_rule
+from engine.ppo.rewards import RewardModelScorer, RewardScorer
+from engine.rewards.components import RewardComponents, RewardsConfigError, RewardsUnavailable
+from engine.rewards.pool import Call, RewardPool
+from engine.rewards.verifiers import final_answer, length_penalty, math_reward
+from engine.run_config.ppo import RewardModelSection
+from engine.run_config.rewards import RewardsSection
+
+USER_FUNCTIONS = """
+import os, time
+
+def shouting(prompt, response, answer):
+    return float(response.endswith("!")) + 0 * len(answer)
+
+def picky(prompt, response):
+    if "rude" in response.lower():
+        raise ValueError("I do not score rude answers")
+    return 0.25
+
+def slow(prompt, response):
+    time.sleep(30 if "Awful" in response else 0)
+    return 1.0
+
+def dies(prompt, response):
+    os._exit(7)
+
+def nap(prompt, response):
+    time.sleep(0.05)
+    return 1.0
+"""
 
 
-def shouting_rule(prompt: list[dict[str, str]], response: str) -> float:
-    """A rule for the test: 1 when the response ends with '!'."""
-    return float(response.endswith("!"))
+@pytest.fixture
+def user_functions(tmp_path, monkeypatch):
+    """A module of reward functions in the working directory, where the reward workers find it."""
+    (tmp_path / "my_rewards.py").write_text(textwrap.dedent(USER_FUNCTIONS))
+    monkeypatch.chdir(tmp_path)
+    return "my_rewards"
 
 
-def test_load_rule():
-    assert load_rule("test_ppo_rewards:shouting_rule")([], "yes!") == 1.0
-    with pytest.raises(ValueError, match="module:function"):
-        load_rule("no_colon")
+def test_verifiers():
+    assert final_answer("so \\boxed{\\frac{1}{2}} and \\boxed{3}") == "3"
+    assert final_answer("first #### 41\nthen #### 42 ") == "42" and final_answer("no answer") is None
+    assert final_answer("Answer: 7.", pattern=r"Answer: (\d+)") == "7"
+    assert [math_reward(r, "1/2") for r in ("#### 0.5", "\\boxed{\\frac12}", "#### 2", "0.5")] == [1.0, 1.0, 0.0, 0.0]
+    assert math_reward("#### 1,000", 1000) == 1.0 and math_reward("#### abc", 3) == 0.0
+    assert [length_penalty(n, 20, 60) for n in (5, 20, 40, 60, 99)] == [0.0, 0.0, -0.5, -1.0, -1.0]
 
 
-def test_scorer_combines_rm_rules_and_penalties(process_group, rm_run):
+def test_pool_isolates_each_failing_call(user_functions):
+    pool = RewardPool(2)
+    try:
+        assert pool.check(f"{user_functions}:shouting", 2, ["answer"]) is None
+        assert "unexpected keyword argument 'answer'" in pool.check(f"{user_functions}:picky", 2, ["answer"])
+        assert "No module named 'nowhere'" in pool.check("nowhere:f", 2, [])
+        assert "has no function 'nothing'" in pool.check(f"{user_functions}:nothing", 2, [])
+        calls = [
+            Call(f"{user_functions}:picky", [[], "Rude!"]),
+            Call(f"{user_functions}:slow", [[], "Awful"], timeout_s=0.5),
+            Call(f"{user_functions}:dies", [[], "x"]),
+            *[Call(f"{user_functions}:shouting", [[], r], {"answer": "1"}) for r in ("yes!", "no", "again!", "x")],
+        ]
+        start = time.monotonic()
+        outcomes = pool.run(calls)
+        assert time.monotonic() - start < 5  # the sleeper was killed at its timeout, not waited for
+        assert outcomes[0].value is None and "I do not score rude answers" in outcomes[0].error
+        assert outcomes[1].value is None and outcomes[1].timed_out
+        assert outcomes[2].value is None and "exit code 7" in outcomes[2].error
+        assert [o.value for o in outcomes[3:]] == [1.0, 0.0, 1.0, 0.0]  # the replaced workers go on
+    finally:
+        pool.close()
+
+
+def test_scorer_combines_rm_components_and_penalties(process_group, rm_run, user_functions):
     root, _ = rm_run
     model_dir = str(root / "run" / "model")
     tok = AutoTokenizer.from_pretrained(model_dir)
     rm = load_value_model(model_dir).eval()
     stats = json.loads((root / "run" / "model" / "reward_stats.json").read_text())
-    prompts = [[{"role": "user", "content": "Tell me about the garden in Alder."}]] * 3
-    responses = ["The garden is lovely and calm!", "Awful rude garden.", "The garden is lovely and calm!"]
-    finished = [True, True, False]
+    prompts = [[{"role": "user", "content": "Tell me about the garden in Alder."}]] * 4
+    responses = ["The garden is lovely and calm!", "Awful rude garden. #### 3", "The garden is lovely and calm!"]
+    responses.append("```python\ndef f(x):\n    return x * x\n```")
+    finished, tokens = [True, True, False, True], [6, 12, 6, 9]
+    fields = [{"answer": "3", "tests": ["assert f(2) == 4", "assert f(3) == 9", "assert f(1) == 2"]}] * 4
 
-    plain = RewardScorer(rm, tok, model_dir, normalize=False, clip=100.0, rules={}, no_eos_penalty=0.0, max_tokens=512)
-    raw, parts = plain.score(prompts, responses, finished)
-    # The total is the weighted sum of the component heads, with the weights saved by train_rm.py.
+    raw_rm = RewardModelScorer(rm, tok, RewardModelSection(path=model_dir, normalize=False), 512)
+    raw, parts = RewardScorer(raw_rm, None, RewardsSection(clip=100.0)).score(
+        prompts, responses, finished, tokens, fields
+    )
+    # The RM's total is the weighted sum of its heads, with the weights saved by train_rm.py.
     weights = torch.tensor([stats["weights"]["helpful"], stats["weights"]["harmless"]])
-    torch.testing.assert_close(raw, torch.stack([parts["rm_helpful"], parts["rm_harmless"]], -1) @ weights)
-    assert raw[0] > raw[1]  # the trained RM prefers the kind answer
     torch.testing.assert_close(
-        raw[0], raw[2], atol=1e-5, rtol=0
-    )  # finishing does not matter without a penalty (shared prompt: float order)
-
-    full = RewardScorer(
-        rm,
-        tok,
-        model_dir,
-        normalize=True,
-        clip=100.0,
-        rules={"test_ppo_rewards:shouting_rule": 0.5},
-        no_eos_penalty=-1.0,
-        max_tokens=512,
+        raw, torch.stack([parts["reward/rm_helpful"], parts["reward/rm_harmless"]], -1) @ weights
     )
-    score, parts = full.score(prompts, responses, finished)
-    expected = (
-        (raw - stats["mean"]) / stats["std"] + 0.5 * torch.tensor([1.0, 0.0, 1.0]) + torch.tensor([0.0, 0.0, -1.0])
-    )
-    torch.testing.assert_close(score, expected, atol=1e-5, rtol=0)
-    assert parts["rule_test_ppo_rewards:shouting_rule"].tolist() == [1.0, 0.0, 1.0]
+    assert raw[0] > raw[1]  # the trained RM prefers the kind answer
+    torch.testing.assert_close(raw[0], raw[2], atol=1e-5, rtol=0)  # finishing does not matter without a penalty
+    raw_all = raw
 
-    clipped = RewardScorer(rm, tok, model_dir, normalize=True, clip=0.1, rules={}, no_eos_penalty=0.0, max_tokens=512)
-    assert clipped.score(prompts, responses, finished)[0].abs().max() <= 0.1 + 1e-6
+    rewards = RewardsSection.model_validate(
+        {
+            "math": {"weight": 2.0},
+            "code": {"weight": 3.0, "wall_s": 20},
+            "format": {"pattern": "!$", "weight": 0.5},
+            "length": {"target_tokens": 8, "weight": 1.0},
+            "functions": {
+                "shout": {"function": f"{user_functions}:shouting", "weight": 0.5, "fields": ["answer"]},
+                "picky": {"function": f"{user_functions}:picky", "weight": 1.0, "fallback": -2.0},
+                "slow": {"function": f"{user_functions}:slow", "weight": 0.0, "timeout_s": 1.0, "fallback": 0.5},
+            },
+            "max_failure_share": 0.5,
+            "no_eos_penalty": -1.0,
+            "clip": 100.0,
+        }
+    )
+    components = RewardComponents(rewards, max_new_tokens=16)
+    components.check()
+    rm_half = RewardModelScorer(rm, tok, RewardModelSection(path=model_dir, weight=0.5), 512)
+    scorer = RewardScorer(rm_half, components, rewards)
+    try:
+        score, parts = scorer.score(prompts, responses, finished, tokens, fields)
+        expected = {
+            "reward/math": [0.0, 1.0, 0.0, 0.0],
+            "reward/code": [0.0, 0.0, 0.0, 2 / 3],  # the code passes two of the row's three tests
+            "reward/format": [1.0, 0.0, 1.0, 0.0],
+            "reward/length": [0.0, -0.5, 0.0, -0.125],
+            "reward/shout": [1.0, 0.0, 1.0, 0.0],
+            "reward/picky": [0.25, -2.0, 0.25, 0.25],  # raised on the rude answer: its fallback
+            "reward/slow": [1.0, 0.5, 1.0, 1.0],  # timed out on it: its fallback
+            "reward/picky/errors": [1 / 4] * 4,
+            "reward/slow/timeouts": [1 / 4] * 4,
+            "reward/math/errors": [0.0] * 4,
+            "reward/code/errors": [0.0] * 4,
+        }
+        for key, values in expected.items():
+            assert parts[key].tolist() == pytest.approx(values), key
+        want = (
+            0.5 * (raw_all - stats["mean"]) / stats["std"]
+            + 2.0 * parts["reward/math"]
+            + 3.0 * parts["reward/code"]
+            + 0.5 * parts["reward/format"]
+            + parts["reward/length"]
+            + 0.5 * parts["reward/shout"]
+            + parts["reward/picky"]
+            + torch.tensor([0.0, 0.0, -1.0, 0.0])  # the unfinished response
+        )
+        torch.testing.assert_close(score, want, atol=1e-5, rtol=0)
+
+        # More failures than rewards.max_failure_share: the run must stop, naming the function and its error.
+        scorer.rewards = rewards.model_copy(update={"max_failure_share": 0.2})
+        with pytest.raises(RewardsUnavailable, match=r"(?s)'picky' failed on 25% .*I do not score rude answers"):
+            scorer.score(prompts, responses, finished, tokens, fields)
+        clipped = RewardScorer(rm_half, None, RewardsSection(clip=0.1))
+        assert clipped.score(prompts, responses, finished, tokens, fields)[0].abs().max() <= 0.1 + 1e-6
+    finally:
+        scorer.close()
+
+
+def test_a_function_that_cannot_be_called_is_refused_by_its_key(user_functions):
+    for function, error in (
+        (f"{user_functions}:picky", "unexpected keyword argument 'answer'"),
+        ("nowhere:f", "nowhere"),
+    ):
+        section = RewardsSection.model_validate({"functions": {"mine": {"function": function, "fields": ["answer"]}}})
+        components = RewardComponents(section, max_new_tokens=16)
+        with pytest.raises(RewardsConfigError, match=rf"'rewards.functions.mine.function': .*{error}"):
+            components.check()
+        components.close()

@@ -105,7 +105,7 @@ def test_data_files_are_read_or_refused_by_name(tiny_model_dir, rm_data, tmp_pat
 def test_what_does_not_fit_the_context_is_dropped_and_counted(tiny_model_dir, rm_data):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = load_prompts(str(rm_data / "prompts_validation.parquet"))
-    lengths = sorted(len(prompt_ids(tokenizer, p)) for p in prompts)
+    lengths = sorted(len(prompt_ids(tokenizer, p.messages)) for p in prompts)
     limit = lengths[len(lengths) // 2]
     kept, dropped = prompts_that_fit(prompts, tokenizer, limit)
     assert dropped == sum(n > limit for n in lengths) > 0 and len(kept) + dropped == len(prompts)

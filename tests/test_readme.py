@@ -38,6 +38,8 @@ DOCS_ORDER = [
     "sft.md",
     "reward-model.md",
     "ppo.md",
+    "rewards.md",
+    "sandbox.md",
     "lora.md",
     "multi-node.md",
     "gpu.md",

@@ -93,7 +93,8 @@ def _ppo_metrics(with_eval: bool = True) -> list[dict]:
             "ppo/actor_lr": 5e-4,
             "ppo/sampler_logprob_gap": 1e-7,
         }
-        r |= {"ppo/rm_helpful": 4 + x, "ppo/rm_harmless": 1 + x, "ppo/rule_mod:no_shouting": -0.1 * x}
+        r |= {"reward/rm_helpful": 4 + x, "reward/rm_harmless": 1 + x, "reward/no_shouting": -0.1 * x}
+        r |= {"reward/no_shouting/errors": 0.0, "reward/no_shouting/timeouts": 0.0}
         r |= {"timing/generate_s": 0.2, "timing/make_experience_s": 0.4, "timing/train_s": 0.7, "timing/sync_s": 0.02}
         r |= {"timing/iteration_s": 1.35, "timing/generated_tokens_per_s": 8000.0 + step}
         r |= {"guard/nonfinite_skipped": 1.0, "guard/rollbacks": 1.0, "guard/kl_guard_hits": 1.0}

@@ -132,8 +132,8 @@ def test_sampler_stays_in_sync_with_the_actor(ppo_run):
         "ppo/clipfrac",
         "ppo/approx_kl",
         "ppo/entropy",
-        "ppo/rm_helpful",
-        "ppo/rm_harmless",
+        "reward/rm_helpful",
+        "reward/rm_harmless",
         "timing/generate_s",
         "timing/sync_s",
         "timing/make_experience_s",
@@ -412,13 +412,13 @@ def test_zero2_with_replicated_frozen_models_and_lora(tiny_model_dir, rm_run, rm
 
 @pytest.mark.parametrize(
     "estimator, extra",
-    [("grpo", {"actor__lora": LORA, "optim__lr": 3e-3}), ("rloo", {"ppo__tis_cap": 2.0}), ("reinforce_pp", {})],
+    [("grpo", {"actor__lora": LORA, "optim__lr": 3e-3}), ("rloo", {"ppo__tis_cap": 2.0})],
 )
 def test_critic_free_estimators_train_without_a_critic(sft_run, rm_run, rm_data, tmp_path, estimator, extra):
     """Each critic-free estimator builds, trains and checkpoints no critic, and raises the held-out
-    reward. GRPO runs with a LoRA actor: two models in memory, the actor and the reward model
-    (its dry run says so). RLOO runs with truncated importance sampling, whose weights are 1 with
-    an fp32 sampler."""
+    reward (REINFORCE++: tests/test_ppo_reward_components.py, without a reward model). GRPO runs
+    with a LoRA actor: two models in memory, the actor and the reward model (its dry run says so).
+    RLOO runs with truncated importance sampling, whose weights are 1 with an fp32 sampler."""
     (rm_root, _), (sft_root, _) = rm_run, sft_run
     config = write_ppo_config(
         tmp_path / "ppo.json",

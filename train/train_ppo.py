@@ -22,38 +22,45 @@ import time
 from functools import partial
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from engine.config import config_to_dict
 from engine.data.batching import epoch_order
 from engine.data.chat import prompt_ids
 from engine.data.errors import DataFileError
-from engine.data.prompts import load_prompts, prompts_that_fit
+from engine.data.prompts import Prompt, load_prompts, prompts_that_fit
 from engine.models.deepspeed_glue import describe_engine, save_hf_model, training_ds_config
 from engine.ppo.engines import HybridEngine, build_hybrid_engine, build_sampler, critic_value_weights
 from engine.ppo.evaluation import HeldOutEvaluator, held_out_eval
 from engine.ppo.experience import OldLogprobSource, make_experience
 from engine.ppo.losses import AdaptiveKLController, FixedKLController
 from engine.ppo.monitors import HackingMonitor
-from engine.ppo.rewards import RewardScorer
+from engine.ppo.rewards import RewardModelScorer, RewardScorer
 from engine.ppo.settings import ExperienceSettings, UpdateSettings
 from engine.ppo.update import global_token_count, update_on_rollout
+from engine.rewards.code_tests import check_column
+from engine.rewards.components import RewardComponents, RewardsConfigError, RewardsUnavailable
 from engine.rollout.sampler import SamplingSettings
 from engine.run.distributed import accelerator_memory_metrics, mean_over_ranks
 from engine.run.dry_run import ppo_plan
 from engine.run.guards import KLGuard, NonFiniteGuard, RollbackGuard
-from engine.run.launch import run_main, start_run
+from engine.run.launch import RunRefused, run_main, start_run
 from engine.run.lifecycle import RunEnded, RunLifecycle
 from engine.run.preflight import check_lora_targets, check_reward_model, check_vllm_can_run, load_tokenizer
 from engine.run_config import PPOConfig
 
 
-def load_fitting_prompts(path: str, tokenizer, cfg: PPOConfig, rank: int) -> list:
-    """The prompts of ``path`` that leave room for a response of rollout.max_new_tokens within a
-    micro-batch and, with vLLM, its context (the others are dropped and counted)."""
+def load_fitting_prompts(path: str, tokenizer, cfg: PPOConfig, rank: int) -> list[Prompt]:
+    """The prompts of ``path``, with the columns the rewards read (the code reward's tests must parse),
+    that leave room for a response of rollout.max_new_tokens within a micro-batch and, with vLLM, its
+    context (the others are dropped and counted)."""
     room = min(
         cfg.ppo.max_tokens_per_micro_batch, cfg.rollout.vllm_max_model_len if cfg.rollout.sampler == "vllm" else 1 << 62
     )
-    prompts, dropped = prompts_that_fit(load_prompts(path), tokenizer, room - cfg.rollout.max_new_tokens)
+    prompts = load_prompts(path, cfg.rewards.fields())
+    if cfg.rewards.code:
+        check_column(path, cfg.rewards.code.field, [p.fields[cfg.rewards.code.field] for p in prompts])
+    prompts, dropped = prompts_that_fit(prompts, tokenizer, room - cfg.rollout.max_new_tokens)
     if dropped and rank == 0:
         print(
             f"{path}: dropped {dropped} of {len(prompts) + dropped} prompts longer than "
@@ -63,9 +70,38 @@ def load_fitting_prompts(path: str, tokenizer, cfg: PPOConfig, rank: int) -> lis
     return prompts
 
 
+def check_models(cfg: PPOConfig) -> tuple[PreTrainedTokenizerBase, PreTrainedTokenizerBase | None]:
+    """The actor's and the reward model's tokenizers, once the model directories are found usable
+    (a trained reward model, LoRA targets that exist, a model vLLM can run), before any model loads."""
+    tokenizer = load_tokenizer(cfg.actor.path, "actor.path", cfg.actor.trust_remote_code)
+    rm_tokenizer = None
+    if cfg.reward_model:
+        rm_tokenizer = load_tokenizer(cfg.reward_model.path, "reward_model.path")
+        check_reward_model(cfg.reward_model.path, "reward_model.path", cfg.reward_model.normalize)
+    check_lora_targets(cfg.actor.path, "actor.lora", cfg.actor.lora, False, cfg.actor.trust_remote_code)
+    check_lora_targets(cfg.critic_source().path, "critic.lora", cfg.critic.lora, True)
+    if cfg.rollout.sampler == "vllm":
+        check_vllm_can_run(cfg.actor.path, "actor.path", cfg.actor.trust_remote_code, cfg.rollout.tensor_parallel_size)
+    return tokenizer, rm_tokenizer
+
+
+def reward_components(cfg: PPOConfig) -> RewardComponents | None:
+    """The rewards section's components, their worker pool started and checked (functions import and
+    take their arguments, the server serves the components named), before any model loads."""
+    if not cfg.rewards.weights():
+        return None
+    components = RewardComponents(cfg.rewards, cfg.rollout.max_new_tokens)
+    try:
+        components.check()
+    except RewardsConfigError as e:
+        components.close()
+        raise RunRefused("config", f"{cfg._source}: {e}") from None
+    return components
+
+
 def ppo_iteration(
     iteration: int,
-    prompts: list,
+    prompts: list[Prompt],
     sampler,
     sampling: SamplingSettings,
     engines: HybridEngine,
@@ -81,17 +117,17 @@ def ppo_iteration(
 ) -> dict[str, float]:
     """One iteration on this rank's ``prompts``: generate -> make experience -> PPO epochs -> sync the
     sampler (unless the actor is not trained: critic warm-up). Returns the ppo/* metrics (rollout
-    statistics averaged over the ranks) and timing/*."""
+    statistics averaged over the ranks), reward/* (the score's parts) and timing/*."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     t0 = time.perf_counter()
     groups = sampler.generate(
-        [prompt_ids(tokenizer, m) for m in prompts], sampling, request_seed=iteration * world + rank
+        [prompt_ids(tokenizer, p.messages) for p in prompts], sampling, request_seed=iteration * world + rank
     )
     sampler.sleep()  # GPU: its memory goes to the experience forwards and training until the sync
     t1 = time.perf_counter()
     exp, rollout_stats = make_experience(
         [s for group in groups for s in group],
-        [m for m, group in zip(prompts, groups) for _ in group],
+        [p for p, group in zip(prompts, groups) for _ in group],
         engines,
         scorer,
         tokenizer,
@@ -110,7 +146,7 @@ def ppo_iteration(
     rollout_stats = mean_over_ranks(rollout_stats)
     rollout_stats["kl_per_token"] = rollout_stats["kl"] / max(rollout_stats["response_length"], 1.0)
     return (
-        {f"ppo/{k}": v for k, v in (rollout_stats | train_stats).items()}
+        {k if k.startswith("reward/") else f"ppo/{k}": v for k, v in (rollout_stats | train_stats).items()}
         | {
             "timing/generate_s": t1 - t0,
             "timing/make_experience_s": t2 - t1,
@@ -127,13 +163,7 @@ def main() -> int:
     cfg, run_args, rank, world = start_run(PPOConfig, __doc__.split("\n")[0])
     out = cfg.logging.output_dir
     ds_config = training_ds_config(cfg.deepspeed, cfg.actor.bf16)
-    tokenizer = load_tokenizer(cfg.actor.path, "actor.path", cfg.actor.trust_remote_code)
-    rm_tokenizer = load_tokenizer(cfg.reward_model.path, "reward_model.path")
-    check_reward_model(cfg.reward_model.path, "reward_model.path", cfg.reward_model.normalize)
-    check_lora_targets(cfg.actor.path, "actor.lora", cfg.actor.lora, False, cfg.actor.trust_remote_code)
-    check_lora_targets(cfg.critic_source().path, "critic.lora", cfg.critic.lora, True)
-    if cfg.rollout.sampler == "vllm":
-        check_vllm_can_run(cfg.actor.path, "actor.path", cfg.actor.trust_remote_code, cfg.rollout.tensor_parallel_size)
+    tokenizer, rm_tokenizer = check_models(cfg)
     prompts = load_fitting_prompts(cfg.data.prompts, tokenizer, cfg, rank)
     eval_prompts = load_fitting_prompts(cfg.data.eval_prompts, tokenizer, cfg, rank) if cfg.data.eval_prompts else []
     per_epoch = len(prompts) // cfg.rollout.prompts_per_iteration  # iterations per pass over the prompts
@@ -142,6 +172,7 @@ def main() -> int:
             f"{cfg.data.prompts}: {len(prompts)} usable prompts, fewer than rollout.prompts_per_iteration="
             f"{cfg.rollout.prompts_per_iteration}"
         )
+    components = reward_components(cfg)
     if run_args.dry_run:
         return ppo_plan(cfg, prompts, eval_prompts, tokenizer, ds_config, world) if rank == 0 else 0
     iterations = cfg.train.iterations
@@ -154,7 +185,7 @@ def main() -> int:
         unit="iteration",
         identity={
             "actor": cfg.actor.path,
-            "reward_model": cfg.reward_model.path,
+            "reward_model": cfg.reward_model.path if cfg.reward_model else None,
             "prompts": cfg.data.prompts,
             "prompts_per_iteration": cfg.rollout.prompts_per_iteration,
             "samples_per_prompt": cfg.rollout.samples_per_prompt,
@@ -171,19 +202,20 @@ def main() -> int:
     )
 
     engines = build_hybrid_engine(cfg, ds_config)
-    scorer = RewardScorer(
-        engines.reward_model,
-        rm_tokenizer,
-        cfg.reward_model.path,
-        cfg.reward_model.normalize,
-        cfg.reward_model.clip,
-        cfg.reward_model.rules,
-        cfg.reward_model.no_eos_penalty,
-        cfg.ppo.max_tokens_per_micro_batch,
-        cfg.ppo.share_prompt,
+    rm_scorer = (
+        RewardModelScorer(
+            engines.reward_model,
+            rm_tokenizer,
+            cfg.reward_model,
+            cfg.ppo.max_tokens_per_micro_batch,
+            cfg.ppo.share_prompt,
+        )
+        if cfg.reward_model and rm_tokenizer
+        else None
     )
+    scorer = RewardScorer(rm_scorer, components, cfg.rewards)
     sampler = build_sampler(cfg, engines.actor, tokenizer, rank)
-    value_weights = critic_value_weights(cfg, scorer)
+    value_weights = critic_value_weights(cfg, rm_scorer)
     kl_ctl = (
         AdaptiveKLController(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon)
         if cfg.ppo.kl_target is not None
@@ -202,6 +234,7 @@ def main() -> int:
     run.track("old_logprobs", old_logprobs, rolls_back=False)
     run.after_restore(partial(sampler.sync_weights, engines.actor.module))
     run.at_finish(sampler.close)
+    run.at_finish(scorer.close)
     run.start(
         engines={"actor": engines.actor} | ({"critic": engines.critic} if engines.critic is not None else {}),
         lr_engine=engines.actor,
@@ -311,6 +344,10 @@ def main() -> int:
             run.end_of_step(good=bool(evaluated))
     except RunEnded as end:
         return run.finish(end.code, str(end))
+    except RewardsUnavailable as e:  # raised before an update or after a whole iteration: a step boundary
+        return run.finish(
+            2, f"reward error: {e}\ncheckpoint {run.save()}; continue with the same command plus --resume"
+        )
     save_hf_model(engines.actor, tokenizer, os.path.join(out, "actor"))
     summary = f"ppo done: {iterations} iterations, last KL {metrics['ppo/kl_per_token']:.4f} per token"
     if first_eval and "eval/reward" in metrics:

@@ -10,9 +10,9 @@ class DataFileError(ValueError):
     """A data file that cannot be used; the message names the file and what to do."""
 
 
-def read_parquet(path: str, columns: tuple[str, ...], made_by: str) -> pa.Table:
+def read_parquet(path: str, columns: tuple[str, ...], made_by: str, readers: dict[str, str] | None = None) -> pa.Table:
     """The ``columns`` of a parquet file; :class:`DataFileError` when it cannot be read or lacks one
-    (``made_by`` says which tool writes such files)."""
+    (``made_by`` says which tool writes such files; ``readers``: column -> what reads it, for the message)."""
     try:
         table = pq.read_table(path)
     except (OSError, pa.ArrowException) as e:
@@ -21,5 +21,6 @@ def read_parquet(path: str, columns: tuple[str, ...], made_by: str) -> pa.Table:
         ) from None
     missing = [c for c in columns if c not in table.column_names]
     if missing:
-        raise DataFileError(f"{path}: missing column(s) {missing}; {made_by} writes these files")
+        why = "".join(f"; {readers[c]} reads '{c}'" for c in missing if readers and c in readers)
+        raise DataFileError(f"{path}: missing column(s) {missing}{why}; {made_by} writes these files")
     return table.select(list(columns))

@@ -46,13 +46,16 @@ def _finish(ax: Axes, ylabel: str = "") -> None:
     ax.grid(alpha=0.3)
 
 
-def _lines(*patterns: str, ylabel: str = "", hline: float | None = None) -> Callable[[Figure, Run], bool]:
-    """A plot of the given keys (``prefix*``: every key with that prefix) on one axis, with an
-    optional dashed reference line."""
+def _lines(
+    *patterns: str, ylabel: str = "", hline: float | None = None, skip_suffixes: tuple[str, ...] = ()
+) -> Callable[[Figure, Run], bool]:
+    """A plot of the given keys (``prefix*``: every key with that prefix, but those ending in one of
+    ``skip_suffixes``) on one axis, with an optional dashed reference line."""
 
     def draw(fig: Figure, run: Run) -> bool:
         ax = fig.add_subplot()
         keys = [k for p in patterns for k in (keys_with_prefix(run.metrics, p[:-1]) if p.endswith("*") else [p])]
+        keys = [k for k in keys if not (skip_suffixes and k.endswith(skip_suffixes))]
         drawn = [_line(ax, run.metrics, key) for key in keys]
         if hline is not None:
             ax.axhline(hline, color="grey", linestyle="--", linewidth=1)
@@ -173,7 +176,11 @@ PLOTS: dict[str, tuple[Plot, ...]] = {
     ),
     "ppo": (
         Plot("reward.png", "Reward", plot_ppo_reward),
-        Plot("reward_components.png", "Reward components", _lines("ppo/rm_*", "ppo/rule_*", ylabel="reward")),
+        Plot(
+            "reward_components.png",
+            "Reward components",
+            _lines("reward/*", ylabel="reward", skip_suffixes=("/errors", "/timeouts")),
+        ),
         Plot("kl_vs_reward.png", "KL vs reward", plot_kl_vs_reward),
         Plot("kl.png", "KL over time", plot_kl),
         Plot("entropy.png", "Entropy", _lines("ppo/entropy", ylabel="nats/token")),

@@ -22,7 +22,7 @@ from engine.models.deepspeed_glue import (
 )
 from engine.models.loading import load_causal_lm, load_value_model
 from engine.models.lora import ReferenceView, add_adapters
-from engine.ppo.rewards import RewardScorer
+from engine.ppo.rewards import RewardModelScorer
 from engine.rollout.sampler import HFSampler, VLLMSampler
 from engine.run_config import PPOConfig
 
@@ -33,7 +33,7 @@ class HybridEngine(NamedTuple):
     actor: Any  # trained
     critic: Any  # trained; None with a critic-free advantage estimator
     ref: Any  # frozen: the actor's starting weights (LoRA: the actor with its adapters disabled)
-    reward_model: Any  # frozen
+    reward_model: Any  # frozen; None without a reward model (the score is the rewards section's)
     keep_alive: Any  # hold while the engines live (engine/models/deepspeed_glue.load_partitioned)
 
 
@@ -41,7 +41,7 @@ def build_hybrid_engine(cfg: PPOConfig, ds_config: dict) -> HybridEngine:
     """The run's models, partitioned as they load (ZeRO-3): the actor and the critic (a critic-free
     estimator: none) as training engines on the run's schedule, ``ppo_epochs x rollout batch /
     mini_batch_size`` optimizer steps per iteration; the reference (a LoRA actor: none, the actor
-    with its adapters off) and the reward model frozen."""
+    with its adapters off) and the reward model (when the run has one) frozen."""
     model_kw: dict[str, Any] = dict(
         dtype=torch.bfloat16 if cfg.actor.bf16 else torch.float32,
         attn_implementation=cfg.actor.attn_implementation,
@@ -56,7 +56,8 @@ def build_hybrid_engine(cfg: PPOConfig, ds_config: dict) -> HybridEngine:
         if cfg.actor.lora.rank
         else load_partitioned(lambda: load_causal_lm(cfg.actor.path, **model_kw), ds_config)[0]
     )
-    reward_model, _ = load_partitioned(lambda: load_value_model(cfg.reward_model.path, **model_kw), ds_config)
+    rm = cfg.reward_model
+    reward_model = load_partitioned(lambda: load_value_model(rm.path, **model_kw), ds_config)[0] if rm else None
     critic: PreTrainedModel | PeftModel | None = None
     if cfg.has_critic():
         source = cfg.critic_source()
@@ -87,15 +88,17 @@ def build_hybrid_engine(cfg: PPOConfig, ds_config: dict) -> HybridEngine:
         actor=actor_engine,
         critic=initialize_training_engine(critic, ds_config, lr=cfg.critic.lr, **optim) if critic is not None else None,
         ref=frozen_engine(ref, frozen_config) if ref is not None else ReferenceView(actor_engine),  # LoRA: adapters off
-        reward_model=frozen_engine(reward_model, frozen_config),
+        reward_model=frozen_engine(reward_model, frozen_config) if reward_model is not None else None,
         keep_alive=keep_alive,
     )
 
 
-def critic_value_weights(cfg: PPOConfig, scorer: RewardScorer) -> torch.Tensor:
+def critic_value_weights(cfg: PPOConfig, reward_model: RewardModelScorer | None) -> torch.Tensor:
     """(C,) weights of the critic's outputs in its value: a critic that kept the reward model's
     head weighs its components as the reward model's total does; a new head has one output."""
-    return scorer.weights if cfg.critic_source().components is None else torch.ones(1)
+    return (
+        reward_model.weights if reward_model is not None and cfg.critic_source().components is None else torch.ones(1)
+    )
 
 
 def build_sampler(cfg: PPOConfig, actor_engine, tokenizer, rank: int):

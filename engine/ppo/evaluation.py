@@ -1,9 +1,9 @@
-"""Held-out evaluation during PPO with the local reward model.
+"""Held-out evaluation during PPO with the run's rewards.
 
 Every evaluation scores, on held-out prompts, one sampled response (fixed seed, so evaluations
 compare like with like) and the greedy response of the current policy, and compares the
 sampled one with the **reference policy's** sampled response to the same prompt: the win rate
-under the RM (ties count half; 0.5 when the policy is the reference). It also measures the
+under the run's score (ties count half; 0.5 when the policy is the reference). It also measures the
 KL to the reference on the held-out responses and what the hacking monitors watch (length
 against the reference's, repeated n-grams). The reference responses are sampled once per run.
 """
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.data.chat import prompt_ids
+from engine.data.prompts import Prompt
 from engine.models.lora import adapters_disabled
 from engine.ppo.forwards import sequence_logprobs
 from engine.ppo.monitors import HackingMonitor, repeated_ngrams
@@ -55,7 +56,7 @@ class HeldOutEvaluator:
 
     def __init__(
         self,
-        prompts: Sequence[list[dict[str, str]]],
+        prompts: Sequence[Prompt],
         tokenizer,
         scorer: RewardScorer,
         settings: SamplingSettings,
@@ -64,7 +65,8 @@ class HeldOutEvaluator:
         share_prompts: bool = True,
     ):
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        self.rank, self.messages = rank, list(prompts[rank::world])
+        mine = prompts[rank::world]
+        self.rank, self.messages, self.fields = rank, [p.messages for p in mine], [p.fields for p in mine]
         self.ids = [prompt_ids(tokenizer, m) for m in self.messages]
         self.tokenizer, self.scorer, self.settings = tokenizer, scorer, settings
         self.max_tokens, self.ngram, self.share_prompts = max_tokens, ngram, share_prompts
@@ -74,7 +76,13 @@ class HeldOutEvaluator:
         settings = SamplingSettings(1, temperature, self.settings.top_p, self.settings.max_new_tokens)
         samples = [group[0] for group in sampler.generate(self.ids, settings, request_seed=seed + self.rank)]
         texts = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
-        rewards = self.scorer.score(self.messages, texts, [s.finished for s in samples])[0]
+        rewards = self.scorer.score(
+            self.messages,
+            texts,
+            [s.finished for s in samples],
+            [len(s.response_ids) for s in samples],
+            self.fields,
+        )[0]
         return Responses(samples, texts, rewards)
 
     def sample_reference(self, sampler, engines: HybridEngine) -> None:

@@ -18,6 +18,7 @@ from engine.ppo.losses import estimate_advantages, kl_penalty, masked_mean, toke
 from engine.ppo.settings import ExperienceSettings
 
 if TYPE_CHECKING:
+    from engine.data.prompts import Prompt
     from engine.ppo.engines import HybridEngine
     from engine.ppo.rewards import RewardScorer
     from engine.rollout.sampler import Sample
@@ -35,7 +36,7 @@ class Experience:
     old_values: torch.Tensor  # (B, T) critic values at sampling time (zeros without a critic)
     advantages: torch.Tensor  # (B, T)
     returns: torch.Tensor  # (B, T)
-    scores: torch.Tensor  # (B,) final sequence score (reward model + rules + penalties)
+    scores: torch.Tensor  # (B,) final sequence score (reward model + reward components + penalties)
     kl: torch.Tensor  # (B, T) per-token KL estimate vs the reference
     is_weights: (
         torch.Tensor
@@ -68,7 +69,7 @@ class Experience:
 @torch.no_grad()
 def make_experience(
     samples: Sequence[Sample],
-    prompt_messages: Sequence[list[dict[str, str]]],
+    prompts: Sequence[Prompt],
     engines: HybridEngine,
     scorer: RewardScorer,
     tokenizer,
@@ -77,7 +78,8 @@ def make_experience(
     kl_coef: float,
     old_logprobs_from_sampler: bool,
 ) -> tuple[Experience, dict[str, float]]:
-    """Score and evaluate one rank's samples (``prompt_messages[i]`` is sample i's prompt).
+    """Score and evaluate one rank's samples (``prompts[i]`` is sample i's prompt, with the fields its
+    rewards read).
 
     Up to four forwards in packed micro-batches of at most ``settings.max_tokens``: actor and
     reference log-probs, critic values (``engines.critic`` None: a critic-free estimator, no
@@ -114,7 +116,13 @@ def make_experience(
         else torch.zeros(len(samples), T)
     )  # (B, T)
     texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
-    scores, parts = scorer.score(prompt_messages, texts, [s.finished for s in samples])  # (B,)
+    scores, parts = scorer.score(
+        [p.messages for p in prompts],
+        texts,
+        [s.finished for s in samples],
+        [len(s.response_ids) for s in samples],
+        [p.fields for p in prompts],
+    )  # (B,)
     kl = kl_penalty(old_logprobs, ref_logprobs, settings.kl_estimator) * mask
     rewards = token_rewards(scores, kl, mask, kl_coef)
     advantages, returns = (

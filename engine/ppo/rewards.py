@@ -1,11 +1,15 @@
-"""The sequence score PPO maximises: reward-model components, rules, penalties, normalisation."""
+"""The sequence score PPO maximises: the reward model's normalised total (if the run has one) plus
+the weighted components of ``rewards`` (engine/rewards/components.py), a no-EOS penalty, clipped.
+
+    score = rm.weight * (sum_c w_c * head_c - mean) / std + sum_k weight_k * component_k
+            + no_eos_penalty * [cut at max_new_tokens],   clipped to [-clip, clip]
+"""
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -14,59 +18,42 @@ from transformers import PreTrainedTokenizerBase
 from engine.data.chat import tokenize_pairs
 from engine.data.packing import last_token, packed_forward
 from engine.ppo.forwards import map_micro_batches
-
-Rule = Callable[[list[dict[str, str]], str], float]
-
-
-def load_rule(spec: str) -> Rule:
-    """``"package.module:function"`` -> the function ``f(prompt_messages, response_text) -> float``."""
-    module_name, _, function_name = spec.partition(":")
-    if not module_name or not function_name:
-        raise ValueError(f"reward rule {spec!r} must look like 'module:function'")
-    return getattr(importlib.import_module(module_name), function_name)
+from engine.rewards.components import ComponentScores, RewardComponents, RewardsUnavailable, ScoringBatch
+from engine.run.distributed import all_reduce
+from engine.run_config.ppo import RewardModelSection
+from engine.run_config.rewards import RewardsSection
 
 
-class RewardScorer:
-    """Scores responses with the frozen reward model (plus rule components) on every rank."""
+class RewardModelScorer:
+    """The frozen reward model's heads and their normalised, weighted total."""
 
     def __init__(
         self,
-        reward_model,
+        model,
         tokenizer: PreTrainedTokenizerBase,
-        model_dir: str,
-        normalize: bool,
-        clip: float,
-        rules: dict[str, float],
-        no_eos_penalty: float,
+        section: RewardModelSection,
         max_tokens: int,
         share_prompts: bool = True,
     ):
-        self.model, self.tokenizer = reward_model, tokenizer
-        hf = getattr(reward_model, "module", reward_model)
-        self.components = [hf.config.id2label[i] for i in sorted(hf.config.id2label)]
-        stats_path = os.path.join(model_dir, "reward_stats.json")
+        self.model, self.tokenizer, self.section = model, tokenizer, section
+        hf = getattr(model, "module", model)
+        self.heads = [hf.config.id2label[i] for i in sorted(hf.config.id2label)]
+        stats_path = os.path.join(section.path, "reward_stats.json")
         stats: dict[str, Any] = {}
         if os.path.exists(stats_path):
             with open(stats_path) as f:
                 stats = json.load(f)
-        if normalize and not stats:
+        if section.normalize and not stats:
             raise ValueError(f"{stats_path} not found: train_rm.py writes it; set reward_model.normalize false to skip")
-        weights = stats.get("weights", dict.fromkeys(self.components, 1.0))
-        self.weights = torch.tensor([weights[c] for c in self.components])
-        self.mean: float
-        self.std: float
-        self.mean, self.std = (stats["mean"], stats["std"]) if normalize else (0.0, 1.0)
-        self.clip, self.no_eos_penalty, self.max_tokens = clip, no_eos_penalty, max_tokens
-        self.share_prompts = share_prompts  # a prompt's responses read it once
-        self.rules = {spec: (load_rule(spec), weight) for spec, weight in rules.items()}
+        weights = stats.get("weights", dict.fromkeys(self.heads, 1.0))
+        self.weights = torch.tensor([weights[c] for c in self.heads])  # (C,)
+        self.mean, self.std = (float(stats["mean"]), float(stats["std"])) if section.normalize else (0.0, 1.0)
+        self.max_tokens, self.share_prompts = max_tokens, share_prompts  # a prompt's responses read it once
 
     @torch.no_grad()
-    def score(
-        self, prompts: Sequence[list[dict[str, str]]], responses: Sequence[str], finished: Sequence[bool]
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(B,) scores and their parts (per RM component, per rule) for logging."""
-        # The RM reads conversations rendered exactly as in its training (the response as a
-        # closed assistant turn), whatever tokens the policy produced around it.
+    def score(self, prompts: Sequence[list[dict[str, str]]], responses: Sequence[str]) -> torch.Tensor:
+        """(B, C) head values. The RM reads conversations rendered exactly as in its training (the
+        response as a closed assistant turn), whatever tokens the policy produced around it."""
         prompt_ids, full = tokenize_pairs(self.tokenizer, prompts, responses)
         per_seq = map_micro_batches(
             self.model,
@@ -77,12 +64,77 @@ class RewardScorer:
             self.share_prompts,
             lambda packed, _: list(last_token(packed_forward(self.model, packed), packed).float()),
         )
-        components = torch.stack(per_seq)  # (B, C)
-        total = ((components * self.weights).sum(-1) - self.mean) / self.std
-        parts = {f"rm_{c}": components[:, i] for i, c in enumerate(self.components)}
-        for spec, (rule, weight) in self.rules.items():
-            values = torch.tensor([float(rule(p, r)) for p, r in zip(prompts, responses)])
-            parts[f"rule_{spec}"] = values
-            total = total + weight * values
-        total = total + self.no_eos_penalty * (~torch.tensor(list(finished), dtype=torch.bool)).float()
-        return total.clamp(-self.clip, self.clip), parts
+        return torch.stack(per_seq)
+
+    def total(self, heads: torch.Tensor) -> torch.Tensor:
+        """(B,) the weighted heads, standardised, times reward_model.weight."""
+        return self.section.weight * ((heads * self.weights).sum(-1) - self.mean) / self.std
+
+
+class RewardScorer:
+    """Scores responses on every rank: reward model (optional) + components + no-EOS penalty."""
+
+    def __init__(
+        self, reward_model: RewardModelScorer | None, components: RewardComponents | None, rewards: RewardsSection
+    ):
+        self.reward_model, self.components, self.rewards = reward_model, components, rewards
+
+    def score(
+        self,
+        prompts: Sequence[list[dict[str, str]]],
+        responses: Sequence[str],
+        finished: Sequence[bool],
+        response_tokens: Sequence[int],
+        fields: Sequence[dict[str, Any]],
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(B,) scores and their parts for logging: ``reward/<name>`` per response, and per component
+        of ``rewards`` the share of responses whose call failed (``reward/<name>/errors``,
+        ``/timeouts``). A collective: every rank calls it. :class:`RewardsUnavailable` on every rank
+        when a component fails on more than ``rewards.max_failure_share`` of the responses (all
+        ranks counted) or the reward server stays down on any rank."""
+        total = torch.zeros(len(responses))
+        parts: dict[str, torch.Tensor] = {}
+        if self.reward_model is not None:
+            heads = self.reward_model.score(prompts, responses)  # (B, C)
+            parts |= {f"reward/rm_{c}": heads[:, i] for i, c in enumerate(self.reward_model.heads)}
+            total = total + self.reward_model.total(heads)
+        scores = self._components(ScoringBatch(prompts, responses, response_tokens, fields))
+        for name, s in scores.items():
+            parts[f"reward/{name}"] = s.values
+            total = total + self.components.weights[name] * s.values  # type: ignore[union-attr]
+        for name, s in scores.items():
+            if name != "length":
+                parts[f"reward/{name}/errors"] = torch.full((len(responses),), s.errors / max(len(responses), 1))
+                parts[f"reward/{name}/timeouts"] = torch.full((len(responses),), s.timeouts / max(len(responses), 1))
+        total = total + self.rewards.no_eos_penalty * (~torch.tensor(list(finished), dtype=torch.bool)).float()
+        return total.clamp(-self.rewards.clip, self.rewards.clip), parts
+
+    def _components(self, batch: ScoringBatch) -> dict[str, ComponentScores]:
+        """The components' scores, once every rank knows none of them is unavailable."""
+        if self.components is None:
+            return {}
+        names = self.components.names
+        server_down, scores = "", {}
+        try:
+            scores = self.components.score(batch)
+        except RewardsUnavailable as e:
+            server_down = str(e)
+        failures = [float(bool(server_down))] + [
+            float(scores[n].errors + scores[n].timeouts) if scores else 0.0 for n in names
+        ]
+        counts = all_reduce(torch.tensor([*failures, float(len(batch.responses))], dtype=torch.float64)).tolist()
+        if counts[0]:
+            raise RewardsUnavailable(server_down or "the reward server is unavailable on another rank")
+        for name, failed in zip(names, counts[1:-1]):
+            share = failed / max(counts[-1], 1.0)
+            if share > self.rewards.max_failure_share:
+                first = scores[name].first_error or "(on another rank)\n"
+                raise RewardsUnavailable(
+                    f"reward component '{name}' failed on {share:.0%} of the responses, more than "
+                    f"rewards.max_failure_share {self.rewards.max_failure_share:g}; its first error:\n{first.rstrip()}"
+                )
+        return scores
+
+    def close(self) -> None:
+        if self.components is not None:
+            self.components.close()

@@ -199,7 +199,7 @@ def experience_micro_batches(cfg, prompt_lengths: list[int], budget: int) -> str
 def ppo_plan(cfg, prompts: list, eval_prompts: list, tokenizer, ds_config: dict[str, Any], world: int) -> int:
     """The PPO run: prompts, rollout and update batch plan (worst-case lengths), parameters, memory."""
     print(f"dry run of train_ppo.py ({world} rank(s)); nothing is trained or written")
-    lengths = [len(prompt_ids(tokenizer, p)) for p in prompts]
+    lengths = [len(prompt_ids(tokenizer, p.messages)) for p in prompts]
     print(f"prompts:      {length_stats(lengths)}")
     if eval_prompts:
         print(f"eval prompts: {len(eval_prompts):,}")
@@ -237,7 +237,7 @@ def ppo_plan(cfg, prompts: list, eval_prompts: list, tokenizer, ds_config: dict[
             ("actor", cfg.actor.path, False, None, True, cfg.actor.lora),
             *critic,
             *reference,
-            ("reward model", cfg.reward_model.path, True, None, False),
+            *([("reward model", cfg.reward_model.path, True, None, False)] if cfg.reward_model else []),
         ],
         ds_config,
         world,
@@ -255,6 +255,20 @@ def ppo_plan(cfg, prompts: list, eval_prompts: list, tokenizer, ds_config: dict[
             f"  reference    none: the actor with its LoRA adapters disabled (no copy: "
             f"{frozen_memory(total, ds_config, world, cfg.actor.bf16)} saved)"
         )
+    if cfg.reward_model is None:
+        print("  reward model none: the score is the rewards section's components")
     if r.sampler == "vllm":
         print(f"  vLLM sampler: {vllm_memory(cfg, world)}")
+    print(f"score: {score_terms(cfg)}")
     return 0
+
+
+def score_terms(cfg) -> str:
+    """The score PPO maximises, in words: its weighted terms, penalties and clip."""
+    rewards = cfg.rewards
+    terms = [f"{cfg.reward_model.weight:g} x reward model (normalised)"] if cfg.reward_model else []
+    terms += [f"{weight:g} x {name}" for name, weight in rewards.weights().items()]
+    if rewards.no_eos_penalty:
+        terms.append(f"{rewards.no_eos_penalty:g} if cut at max_new_tokens")
+    where = f"; {rewards.workers} reward worker(s) per rank" if set(rewards.weights()) - {"length"} else ""
+    return " + ".join(terms) + f", clipped to +-{rewards.clip:g}{where}"

@@ -3,7 +3,9 @@ and monitor sections, and the cross-field rules between them."""
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
+
+from pydantic import model_validator
 
 from engine.config import Config, ConfigError, DeepSpeedDict, option, required, section
 from engine.run_config.common import (
@@ -16,6 +18,7 @@ from engine.run_config.common import (
     OptimSection,
     resolve_deepspeed_dtype,
 )
+from engine.run_config.rewards import RewardsSection
 
 # The names PPO's formulas take (engine/ppo/losses.py), defined once here where the config offers them.
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -30,10 +33,17 @@ class PolicySection(ModelSection):
 
 class RewardModelSection(Config):
     path: str = required("reward model directory (output of train_rm.py: model/)")
+    weight: float = option(1.0, "weight of the reward model's (normalised) total in the score")
     normalize: bool = option(True, "standardise the score with the model's reward_stats.json mean/std")
-    clip: float = option(10.0, "clip the (normalised) score to [-clip, clip]", gt=0)
-    rules: dict[str, float] = option({}, "extra rule-based reward components 'module:function' -> weight")
-    no_eos_penalty: float = option(0.0, "added to the score of responses cut at max_new_tokens (e.g. -1.0)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        moved = {"rules": "rewards.functions (name -> {function, weight})", "clip": "rewards.clip"}
+        moved["no_eos_penalty"] = "rewards.no_eos_penalty"
+        for key in moved.keys() & (data.keys() if isinstance(data, dict) else set()):
+            raise ConfigError(f"reward_model.{key} moved to {moved[key]}")
+        return data
 
 
 class CriticSection(Config):
@@ -198,9 +208,10 @@ class PPOConfig(Config):
     """Config of train/train_ppo.py."""
 
     actor: PolicySection = required("policy to train (also the frozen reference)")
-    reward_model: RewardModelSection = required("frozen reward model")
+    reward_model: RewardModelSection | None = option(None, "frozen reward model (None: the rewards section alone)")
     data: PPODataSection = required("prompts")
     deepspeed: DeepSpeedDict = required("DeepSpeed config of the trained models (ZeRO-3 for the hybrid engine)")
+    rewards: RewardsSection = section(RewardsSection, "score components besides the reward model, and how they run")
     critic: CriticSection = section(CriticSection, "value model")
     rollout: RolloutSection = section(RolloutSection, "generation")
     ppo: PPOSection = section(PPOSection, "PPO hyper-parameters")
@@ -216,6 +227,16 @@ class PPOConfig(Config):
         if self.guards.rollback_drop is not None and not (self.data.eval_prompts and self.train.eval_every):
             raise ConfigError(
                 "guards.rollback_drop needs data.eval_prompts and train.eval_every > 0 (the held-out reward it watches)"
+            )
+        if self.reward_model is None and not self.rewards.weights():
+            raise ConfigError("nothing to score responses with: set reward_model.path or a rewards component")
+        if self.has_critic() and self.critic.init_from == "reward_model" and self.reward_model is None:
+            raise ConfigError("critic.init_from reward_model needs a reward_model: set critic.init_from actor")
+        length = self.rewards.length
+        if length and length.target_tokens >= self.rollout.max_new_tokens:
+            raise ConfigError(
+                f"rewards.length.target_tokens ({length.target_tokens}) must be below rollout.max_new_tokens "
+                f"({self.rollout.max_new_tokens}), where the penalty reaches -1"
             )
         estimator = self.ppo.advantage_estimator
         if estimator in ("grpo", "rloo") and self.rollout.samples_per_prompt < 2:
@@ -248,7 +269,7 @@ class PPOConfig(Config):
     def critic_source(self) -> CriticSource:
         """Where the critic's weights start (critic.init_from), whether or not the run has one
         (:meth:`has_critic`): its LoRA targets are checked and the dry run prices what it saves."""
-        if self.critic.init_from == "reward_model":
+        if self.critic.init_from == "reward_model" and self.reward_model is not None:
             return CriticSource(self.reward_model.path, None)
         return CriticSource(self.actor.path, ["value"])
 

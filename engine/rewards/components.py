@@ -1,0 +1,207 @@
+"""The score's components besides the reward model (config section ``rewards``): built-in
+verifiers, reward functions and a reward server's components, each named and weighted.
+
+Functions and verifiers run in the reward worker pool (``engine/rewards/pool.py``), never in the
+trainer: a call that raises or runs past its timeout gives that response the component's
+fallback value and is counted. The length penalty is computed here (it reads token counts);
+the reward server is called once per batch (``engine/rewards/remote.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.rewards.pool import Call, RewardPool
+from engine.rewards.remote import RewardServerClient, RewardServerError, ScoreItem, check_components
+from engine.rewards.verifiers import length_penalty
+from engine.run_config.rewards import RewardsSection
+
+Messages = list[dict[str, str]]
+VERIFIERS = "engine.rewards.verifiers"
+
+
+class RewardsUnavailable(Exception):
+    """The rewards cannot be computed: a broken reward function, or a reward server that stays down."""
+
+
+class RewardsConfigError(ValueError):
+    """A reward function that cannot be called, or a server without a configured component (found before
+    any model loads); the message names the config key."""
+
+
+@dataclass(frozen=True)
+class ScoringBatch:
+    """Responses to score, with what the components read."""
+
+    prompts: Sequence[Messages]
+    responses: Sequence[str]
+    response_tokens: Sequence[int]
+    fields: Sequence[dict[str, Any]]  # each response's prompt-data row (the declared columns)
+
+
+@dataclass(frozen=True)
+class ComponentScores:
+    """One component's values for a batch (the fallback where a call failed) and its failures."""
+
+    values: torch.Tensor  # (B,)
+    errors: int = 0
+    timeouts: int = 0
+    first_error: str | None = None
+
+
+@dataclass(frozen=True)
+class _PoolComponent:
+    """A component computed by calling ``function`` in the pool, once per response."""
+
+    name: str
+    function: str
+    weight: float
+    fallback: float
+    timeout_s: float
+    fields: dict[str, str]  # keyword argument -> prompt-data column
+    options: dict[str, Any]  # further keyword arguments (a built-in's settings)
+    with_prompt: bool  # f(prompt, response, ...) (a user's function) or f(response, ...) (a built-in)
+
+    def call(self, batch: ScoringBatch, i: int) -> Call:
+        args = [list(batch.prompts[i]), batch.responses[i]] if self.with_prompt else [batch.responses[i]]
+        kwargs = {arg: batch.fields[i][column] for arg, column in self.fields.items()} | self.options
+        return Call(self.function, args, kwargs, self.timeout_s)
+
+
+class RewardComponents:
+    """The configured components of ``rewards``; :meth:`score` a batch, :meth:`close` at the end."""
+
+    def __init__(self, rewards: RewardsSection, max_new_tokens: int):
+        self.section, self.max_new_tokens = rewards, max_new_tokens
+        self.in_pool = _pool_components(rewards)
+        self.weights = rewards.weights()
+        remote = rewards.remote
+        self.client = (
+            RewardServerClient(remote.url, remote.timeout_s, remote.retries, remote.backoff_s) if remote else None
+        )
+        self.pool = RewardPool(rewards.workers) if self.in_pool else None
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.weights)
+
+    def check(self) -> None:
+        """Before any model loads: every function imports and takes its arguments; the server is up
+        and serves the configured components. :class:`RewardsConfigError` naming the key if not."""
+        for c in self.in_pool:
+            if c.with_prompt and self.pool and (error := self.pool.check(c.function, 2, list(c.fields))):
+                raise RewardsConfigError(f"'rewards.functions.{c.name}.function': {error}")
+        remote = self.section.remote
+        if remote:
+            try:
+                check_components(remote.url, list(remote.components), remote.timeout_s)
+            except RewardServerError as e:
+                raise RewardsConfigError(f"'rewards.remote': {e}") from None
+
+    def score(self, batch: ScoringBatch) -> dict[str, ComponentScores]:
+        """Every component's values for ``batch``; :class:`RewardsUnavailable` when the server stays down."""
+        n = len(batch.responses)
+        scores: dict[str, ComponentScores] = {}
+        if self.pool:
+            outcomes = self.pool.run([c.call(batch, i) for c in self.in_pool for i in range(n)])
+            for k, c in enumerate(self.in_pool):
+                mine = outcomes[k * n : (k + 1) * n]
+                failed = [o for o in mine if o.value is None]
+                scores[c.name] = ComponentScores(
+                    torch.tensor([c.fallback if o.value is None else o.value for o in mine], dtype=torch.float32),
+                    errors=sum(not o.timed_out for o in failed),
+                    timeouts=sum(o.timed_out for o in failed),
+                    first_error=next((o.error for o in failed), None),
+                )
+        if self.section.length:
+            target = self.section.length.target_tokens
+            values = [length_penalty(t, target, self.max_new_tokens) for t in batch.response_tokens]
+            scores["length"] = ComponentScores(torch.tensor(values, dtype=torch.float32))
+        if self.client:
+            scores |= self._remote(batch)
+        return scores
+
+    def _remote(self, batch: ScoringBatch) -> dict[str, ComponentScores]:
+        remote = self.section.remote
+        assert remote is not None and self.client is not None
+        items = [
+            ScoreItem(prompt=list(p), response=r, fields={f: row[f] for f in remote.fields})
+            for p, r, row in zip(batch.prompts, batch.responses, batch.fields)
+        ]
+        try:
+            served = self.client.score(items)
+        except RewardServerError as e:
+            raise RewardsUnavailable(str(e)) from None
+        scores = {}
+        for component in remote.components:
+            values = served[component]
+            missing = sum(v is None for v in values)
+            scores[f"remote_{component}"] = ComponentScores(
+                torch.tensor([remote.fallback if v is None else v for v in values], dtype=torch.float32),
+                errors=missing,
+                first_error=f"the server at {remote.url} returned null for {missing} response(s)" if missing else None,
+            )
+        return scores
+
+    def close(self) -> None:
+        if self.pool:
+            self.pool.close()
+        if self.client:
+            self.client.close()
+
+
+def _pool_components(rewards: RewardsSection) -> list[_PoolComponent]:
+    """The components that run in the reward pool, in config order: math, code, format, then functions."""
+    components = []
+    if rewards.math:
+        m = rewards.math
+        components.append(
+            _PoolComponent(
+                "math",
+                f"{VERIFIERS}:math_reward",
+                m.weight,
+                m.fallback,
+                rewards.timeout_s,
+                {"answer": m.field},
+                {"pattern": m.pattern},
+                with_prompt=False,
+            )
+        )
+    if rewards.code:
+        c = rewards.code
+        limits = {"cpu_s": c.cpu_s, "wall_s": c.wall_s, "memory_mb": c.memory_mb}
+        components.append(
+            _PoolComponent(
+                "code",
+                f"{VERIFIERS}:code_reward",
+                c.weight,
+                c.fallback,
+                c.wall_s + 5,
+                {"tests": c.field},
+                limits,
+                False,
+            )
+        )
+    if rewards.format:
+        f = rewards.format
+        components.append(
+            _PoolComponent(
+                "format",
+                f"{VERIFIERS}:format_reward",
+                f.weight,
+                0.0,
+                rewards.timeout_s,
+                {},
+                {"pattern": f.pattern},
+                with_prompt=False,
+            )
+        )
+    for name, fn in rewards.functions.items():
+        timeout = fn.timeout_s or rewards.timeout_s
+        fields = {f: f for f in fn.fields}
+        components.append(_PoolComponent(name, fn.function, fn.weight, fn.fallback, timeout, fields, {}, True))
+    return components

@@ -1,0 +1,143 @@
+"""A pool of reward worker processes (``engine/rewards/worker.py``) that calls reward functions
+outside the trainer's process, each call with its own timeout.
+
+A batch of calls is spread over the workers, one call per worker at a time. A call that raises
+gives its traceback; a call that runs past its timeout, or a worker that dies, gets its worker
+killed (its whole process group) and replaced, and that call alone fails: the batch goes on.
+Functions are named ``"module:function"`` and imported in the workers, which start in the
+trainer's working directory with it on their import path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+
+@dataclass(frozen=True)
+class Call:
+    """One reward-function call: ``function(*args, **kwargs)`` within ``timeout_s`` seconds."""
+
+    function: str  # "module:function"
+    args: list[Any] = field(default_factory=list)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A call's value, or why there is none (``error``: the traceback or what happened)."""
+
+    value: float | None
+    error: str | None = None
+    timed_out: bool = False
+
+
+class _Worker:
+    def __init__(self) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH", "")) if p)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "engine.rewards.worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,  # its own process group: a kill takes what the function started
+            env=env,
+        )
+        self.stdin: IO[bytes] = self.process.stdin  # type: ignore[assignment]
+        self.stdout: IO[bytes] = self.process.stdout  # type: ignore[assignment]
+
+    def send(self, request: dict[str, Any]) -> None:
+        self.stdin.write((json.dumps(request) + "\n").encode())
+        self.stdin.flush()
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        self.stdin.close()
+        self.stdout.close()
+
+
+class RewardPool:
+    """``size`` worker processes; :meth:`run` a batch of calls, :meth:`close` at the end."""
+
+    def __init__(self, size: int):
+        self.workers = [_Worker() for _ in range(size)]
+
+    def run(self, calls: Sequence[Call]) -> list[Outcome]:
+        """The outcome of every call, in order; each call fails alone (error, timeout, dead worker)."""
+        outcomes: list[Outcome | None] = [None] * len(calls)
+        pending = deque(range(len(calls)))
+        busy: dict[int, tuple[int, float]] = {}  # worker slot -> (call index, deadline)
+        selector = selectors.DefaultSelector()
+        try:
+            while pending or busy:
+                for slot, worker in enumerate(self.workers):
+                    if slot not in busy and pending:
+                        i = pending.popleft()
+                        call = calls[i]
+                        try:
+                            worker.send({"id": i, "function": call.function, "args": call.args, "kwargs": call.kwargs})
+                        except (BrokenPipeError, OSError):  # died since its last call: replace it, retry the call
+                            self._replace(slot)
+                            pending.appendleft(i)
+                            continue
+                        busy[slot] = (i, time.monotonic() + call.timeout_s)
+                        selector.register(worker.stdout, selectors.EVENT_READ, slot)
+                if not busy:
+                    continue
+                now = time.monotonic()
+                for key, _ in selector.select(timeout=max(0.0, min(d for _, d in busy.values()) - now)):
+                    slot = key.data
+                    i, _ = busy.pop(slot)
+                    selector.unregister(key.fileobj)
+                    line = self.workers[slot].stdout.readline()
+                    if line:
+                        reply = json.loads(line)
+                        outcomes[i] = Outcome(reply.get("value"), reply.get("error"))
+                    else:
+                        code = self.workers[slot].process.wait()
+                        outcomes[i] = Outcome(None, f"the reward worker died (exit code {code}) during this call")
+                        self._replace(slot)
+                now = time.monotonic()
+                for slot, (i, deadline) in list(busy.items()):
+                    if now >= deadline:
+                        busy.pop(slot)
+                        selector.unregister(self.workers[slot].stdout)
+                        outcomes[i] = Outcome(None, f"timed out after {calls[i].timeout_s:g} s", timed_out=True)
+                        self._replace(slot)
+        finally:
+            selector.close()
+        return [o for o in outcomes if o is not None]
+
+    def check(self, function: str, positional: int, keywords: Sequence[str]) -> str | None:
+        """None when a worker can import ``function`` and call it with ``positional`` arguments and
+        ``keywords``; else the reason (the last line of the error)."""
+        worker = self.workers[0]
+        worker.send({"id": 0, "check": function, "args": positional, "kwargs": list(keywords)})
+        line = worker.stdout.readline()
+        if not line:
+            self._replace(0)
+            return "the reward worker died while importing it"
+        error = json.loads(line).get("error")
+        return error.strip().splitlines()[-1] if error else None
+
+    def _replace(self, slot: int) -> None:
+        self.workers[slot].kill()
+        self.workers[slot] = _Worker()
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.kill()
+        self.workers = []

@@ -1,0 +1,196 @@
+"""PPO (REINFORCE++, no critic) without a reward model, on reward components alone: a verifier,
+reward functions that read their row's ground truth (one of them failing on some responses), a length penalty and a real
+reward server on localhost that goes down mid-run (clean stop, exit 2, checkpoint; --resume
+continues as the run would have). The refusals come before any model loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from helpers import REPO, assert_repeats, free_port, launch, metric_series
+
+from data_prep.synthetic_task import TOPICS
+from engine.observe.records import read_records
+
+REWARD_FUNCTIONS = """
+def grounded(prompt, response, answer):
+    # 1 when the row's ground truth arrived with its own prompt's responses
+    return float(answer in prompt[-1]["content"])
+
+def picky(prompt, response):
+    if len(response) % 3 == 0:
+        raise ValueError("a length divisible by three")
+    return 1.0
+"""
+ITERATIONS = 6
+
+
+def start_server(port: int, log: Path) -> subprocess.Popen:
+    """The reference reward server serving ``format`` (a pattern found in most responses)."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "engine.rewards.server", "--port", str(port), "--format-pattern", "e", "--workers", "1"],
+        cwd=REPO,
+        stdout=log.open("a"),
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        assert server.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/health", timeout=1).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise TimeoutError(log.read_text()[-3000:])
+
+
+def stop(server: subprocess.Popen) -> None:
+    server.send_signal(signal.SIGTERM)
+    server.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, rm_data):
+    """Prompts with an ``answer`` column (the topic each asks about), the reward functions' module, a server."""
+    root = tmp_path_factory.mktemp("reward_components")
+    messages = pq.read_table(rm_data / "prompts_train.parquet").column("prompt").to_pylist()[:64]
+    answers = [next(t for t in TOPICS if t in m[-1]["content"]) for m in messages]
+    pq.write_table(pa.table({"prompt": messages, "answer": answers}), root / "prompts.parquet")
+    (root / "my_rewards.py").write_text(textwrap.dedent(REWARD_FUNCTIONS))
+    port = free_port()
+    server = start_server(port, root / "server.log")
+    yield root, port, server
+    if server.poll() is None:
+        stop(server)
+
+
+def write_config(root: Path, tiny_model_dir: Path, port: int, out: str, **rewards) -> Path:
+    config = {
+        "actor": {"path": str(tiny_model_dir)},
+        "data": {"prompts": str(root / "prompts.parquet")},
+        "deepspeed": "tiny_cpu_zero3.json",
+        "rewards": {
+            "math": {"field": "answer"},
+            "length": {"target_tokens": 8, "weight": 0.5},
+            "functions": {
+                "grounded": {"function": "my_rewards:grounded", "weight": 0.5, "fields": ["answer"]},
+                "picky": {"function": "my_rewards:picky", "weight": 0.2, "fallback": -1.0},
+            },
+            "remote": {
+                "url": f"http://127.0.0.1:{port}",
+                "components": {"format": 1.0},
+                "retries": 1,
+                "backoff_s": 0.2,
+            },
+            **rewards,
+        },
+        "rollout": {
+            "prompts_per_iteration": 8,
+            "samples_per_prompt": 4,
+            "max_new_tokens": 16,
+            "vllm_kv_cache_mb": 64,
+            "vllm_max_model_len": 256,
+        },
+        "ppo": {"advantage_estimator": "reinforce_pp", "mini_batch_size": 32, "kl_coef": 0.05},
+        "train": {"iterations": ITERATIONS},
+        "optim": {"lr": 5e-4, "warmup_ratio": 0.0, "lr_scheduler": "constant_with_warmup"},
+        "checkpoint": {"every_steps": 100},
+        "logging": {"output_dir": str(root / out), "progress_bar": False, "wandb": False},
+    }
+    path = root / f"{out}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def run_refused_or_planned(config: Path, root: Path, *extra: str) -> subprocess.CompletedProcess:
+    """``python train/train_ppo.py`` with the reward functions' module on the import path."""
+    return subprocess.run(
+        [sys.executable, str(REPO / "train" / "train_ppo.py"), "--config", str(config), *extra],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        timeout=300,
+    )
+
+
+def test_refused_before_any_model_loads_and_planned_without_a_reward_model(setup, tiny_model_dir):
+    root, port, _ = setup
+    misspelt = write_config(root, tiny_model_dir, port, "misspelt", functions={"x": {"function": "my_rewardz:f"}})
+    refused = run_refused_or_planned(misspelt, root)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "config error: " in refused.stderr and "'rewards.functions.x.function': " in refused.stderr
+    assert "No module named 'my_rewardz'" in refused.stderr and "Traceback" not in refused.stderr
+    assert not (root / "misspelt").exists()
+
+    planned = run_refused_or_planned(write_config(root, tiny_model_dir, port, "planned"), root, "--dry-run")
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    assert "reward model none" in planned.stdout and "critic       none" in planned.stdout
+    assert (
+        "score: 1 x math + 0.5 x length + 0.5 x grounded + 0.2 x picky + 1 x remote_format, clipped to +-10; "
+        "2 reward worker(s) per rank" in planned.stdout
+    ), planned.stdout
+
+
+def test_a_run_on_reward_components_stops_cleanly_when_the_server_goes_down(setup, tiny_model_dir):
+    root, port, server = setup
+    env = {"PYTHONPATH": str(root)}
+    straight = launch("train_ppo.py", write_config(root, tiny_model_dir, port, "straight"), env=env)
+    assert f"ppo done: {ITERATIONS} iterations" in straight.stdout, straight.stdout[-3000:]
+    run = root / "straight"
+    assert (run / "actor" / "config.json").exists()
+    metrics = read_records(str(run / "metrics.jsonl"))
+    assert "ppo/pg_loss" in metrics[1] and not any(k.startswith("ppo/vf_") for m in metrics for k in m)
+    for step in range(1, ITERATIONS + 1):
+        assert metric_series(run, "reward/grounded")[step] == 1.0  # every response saw its own row's answer
+    for key in ("reward/math", "reward/length", "reward/remote_format", "reward/picky"):
+        assert len(metric_series(run, key)) == ITERATIONS, key
+    errors = metric_series(run, "reward/picky/errors")
+    assert 0 < max(errors.values()) < 1 and max(metric_series(run, "reward/picky/timeouts").values()) == 0
+    assert min(metric_series(run, "reward/remote_format").values()) > 0
+
+    # The same run, its server killed after iteration 2: a clean stop at the next scoring.
+    config = write_config(root, tiny_model_dir, port, "interrupted")
+    log = (root / "interrupted.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "train" / "train_ppo.py"), "--config", str(config)],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **env, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "2"},
+    )
+    metrics = root / "interrupted" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and any(m["step"] >= 2 for m in read_records(str(metrics)))):
+        assert proc.poll() is None and time.time() < deadline, (root / "interrupted.log").read_text()[-3000:]
+        time.sleep(0.05)
+    stop(server)
+    assert proc.wait(timeout=300) == 2
+    out = (root / "interrupted.log").read_text()
+    assert f"reward error: reward server http://127.0.0.1:{port}/v1/score failed 2 attempts" in out, out[-3000:]
+    assert "continue with the same command plus --resume" in out and "Traceback" not in out
+    stopped_at = max(m["step"] for m in read_records(str(metrics)))
+    assert 2 <= stopped_at < ITERATIONS
+    saved = (root / "interrupted" / "checkpoints" / "latest").read_text().strip()
+    # critic-free REINFORCE++ without a reward model: the checkpoint holds the actor alone
+    assert sorted(p.name for p in (root / "interrupted" / "checkpoints" / saved).iterdir() if p.is_dir()) == ["actor"]
+
+    server = start_server(port, root / "server.log")  # back up: the resumed run repeats the straight one
+    try:
+        launch("train_ppo.py", config, "--resume", env=env)
+    finally:
+        stop(server)
+    for key in ("ppo/score", "ppo/kl", "ppo/pg_loss", "reward/grounded", "reward/picky", "reward/remote_format"):
+        assert_repeats(metric_series(root / "interrupted", key), metric_series(run, key), what=key)

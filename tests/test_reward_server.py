@@ -1,0 +1,249 @@
+"""engine/rewards/server.py as a real process (a tiny reward model and the verifiers) against an
+in-process forward of the same model; engine/rewards/remote.py's retries and protocol checks
+against small servers in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import torch
+import uvicorn
+from fastapi import FastAPI, Response
+from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+from engine.data.chat import tokenize_pairs
+from engine.rewards.remote import RewardServerClient, RewardServerError, ScoreItem, check_components
+from engine.rewards.server import build_app, main
+
+REPO = Path(__file__).resolve().parent.parent
+RIVER = [{"role": "user", "content": "Describe the river."}]
+KITCHEN = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Describe the kitchen."}]
+ITEMS = [  # two responses share each prompt: the server packs a prompt once for both
+    ScoreItem(prompt=RIVER, response="Warm pleasant river. \\boxed{4}", fields={"answer": "4"}),
+    ScoreItem(prompt=RIVER, response="Dirty boring river. #### 1/2", fields={"answer": 0.5, "id": [1, 2]}),
+    ScoreItem(prompt=KITCHEN, response="A kitchen. \\boxed{5}", fields={"answer": "4"}),
+    ScoreItem(prompt=KITCHEN, response="A quite pleasant kitchen.", fields={}),
+]
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory, tiny_model_dir) -> Path:
+    """A reward model as train_rm.py saves it (per-token head, heads helpful/harmless), untrained:
+    the head drawn at std 1 so that rewards are O(1) and a 1e-5 tolerance means something."""
+    from engine.models.loading import load_value_model
+
+    torch.manual_seed(0)
+    model = load_value_model(str(tiny_model_dir), components=["helpful", "harmless"])
+    torch.nn.init.normal_(model.score.weight, std=1.0)
+    out = tmp_path_factory.mktemp("remote_rm") / "model"
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
+    return out
+
+
+@contextmanager
+def server_process(tmp_path: Path, *args: str) -> Iterator[tuple[str, psutil.Process]]:
+    """``python -m engine.rewards.server --port 0 ARGS``: (its URL from the ready line, the process);
+    stopped by SIGTERM afterwards, which must end it and its reward workers."""
+    out, err = tmp_path / "server.out", tmp_path / "server.err"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.rewards.server", "--port", "0", *args],
+            cwd=REPO,
+            stdout=stdout,
+            stderr=stderr,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while "reward server: http://" not in out.read_text():
+            assert proc.poll() is None, f"the server exited ({proc.returncode}): {err.read_text()[-2000:]}"
+            assert time.monotonic() < deadline, f"no ready line in 120 s: {err.read_text()[-2000:]}"
+            time.sleep(0.1)
+        ready = out.read_text().splitlines()[0]
+        yield ready.split()[2].rstrip(","), psutil.Process(proc.pid)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children, "the verifiers run in reward worker processes"
+        proc.terminate()  # SIGTERM
+        assert proc.wait(timeout=30) == 0, err.read_text()[-2000:]
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, f"left running after the server stopped: {alive}"
+    finally:
+        if proc.poll() is None:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+            proc.wait()
+
+
+def in_process_rewards(model_dir: Path, items: list[ScoreItem]) -> torch.Tensor:
+    """(N, C) the reference: each conversation alone, unpacked, eager attention, its last token."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForTokenClassification.from_pretrained(model_dir, attn_implementation="eager").eval()
+    _, full_ids = tokenize_pairs(tokenizer, [item.prompt for item in items], [item.response for item in items])
+    with torch.no_grad():
+        return torch.stack([model(input_ids=torch.tensor([ids])).logits[0, -1] for ids in full_ids])
+
+
+def test_server_scores_like_the_in_process_reward_model(tmp_path, reward_model_dir):
+    args = ["--reward-model", str(reward_model_dir), "--math-field", "answer", "--workers", "1"]
+    with server_process(tmp_path, *args, "--format-pattern", r"\\boxed\{") as (url, _):
+        assert url.startswith("http://127.0.0.1:")
+        assert httpx.get(f"{url}/v1/health").json() == {"status": "ok", "protocol": 1}
+        with RewardServerClient(url, timeout_s=60, retries=0) as client:
+            assert client.components() == ["helpful", "harmless", "math", "format"]
+            scores = client.score(ITEMS)
+        bad = httpx.post(f"{url}/v1/score", json={"items": [{"prompt": "hello"}, {"prompt": [{"text": "hi"}]}]})
+        assert bad.status_code == 422
+        assert [(e["loc"], e["msg"]) for e in bad.json()["detail"]] == [
+            (["body", "items", 0, "prompt"], "Input should be a valid list"),
+            (["body", "items", 0, "response"], "Field required"),
+            (["body", "items", 1, "prompt"], "Value error, message 0 has keys ['text'], not 'role' and 'content'"),
+            (["body", "items", 1, "response"], "Field required"),
+        ]
+    expected = in_process_rewards(reward_model_dir, ITEMS)
+    served = torch.tensor([scores["helpful"], scores["harmless"]]).T
+    assert expected.abs().max() > 0.5  # rewards of a size that a 1e-5 tolerance tests
+    torch.testing.assert_close(served, expected, rtol=1e-5, atol=1e-5)
+    assert scores["math"] == [1.0, 1.0, 0.0, None]  # 1/2 equals 0.5; the last item has no answer
+    assert scores["format"] == [1.0, 0.0, 1.0, 0.0]
+
+
+def test_server_refuses_a_command_with_nothing_to_serve_or_a_bad_pattern(capsys):
+    for argv, said in (
+        (["--port", "0"], "nothing to serve"),
+        (["--format-pattern", "(unclosed"], "is not a regular expression"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        assert said in capsys.readouterr().err
+
+
+@contextmanager
+def in_thread(app: FastAPI) -> Iterator[str]:
+    """``app`` served by uvicorn on a free port, in a thread of this process: its base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, "127.0.0.1", 0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the in-process server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def scripted(*answers: tuple[int, str]) -> tuple[FastAPI, list[str]]:
+    """An app answering its n-th request with ``answers[n]`` (the last one after that), and the
+    paths it was asked."""
+    app, asked = FastAPI(), []
+
+    @app.api_route("/v1/{path}", methods=["GET", "POST"])
+    def answer(path: str) -> Response:
+        asked.append(path)
+        status, body = answers[min(len(asked), len(answers)) - 1]
+        return Response(body, status_code=status, media_type="application/json")
+
+    return app, asked
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_client_retries_with_backoff_then_names_the_url_and_the_attempts():
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    start = time.monotonic()
+    with pytest.raises(RewardServerError) as error, RewardServerClient(url, timeout_s=5, retries=2, backoff_s=0.1) as c:
+        c.score(ITEMS[:1])
+    assert time.monotonic() - start >= 0.1 + 0.2
+    assert f"reward server {url}/v1/score failed 3 attempts; the last: ConnectError" in str(error.value)
+
+
+def test_client_retries_a_timeout():
+    app = FastAPI()
+
+    @app.get("/v1/components")
+    async def slow() -> dict[str, list[str]]:
+        await asyncio.sleep(0.5)
+        return {"components": []}
+
+    with (
+        in_thread(app) as url,
+        RewardServerClient(url, timeout_s=0.2, retries=1, backoff_s=0.01) as client,
+        pytest.raises(RewardServerError, match="failed 2 attempts; the last: ReadTimeout"),
+    ):
+        client.components()
+
+
+def test_client_retries_a_server_error_then_succeeds():
+    app, asked = scripted((500, "busy"), (200, '{"scores": {"helpful": [0.5, NaN, -Infinity], "math": [1, 0, null]}}'))
+    with in_thread(app) as url, RewardServerClient(url, retries=3, backoff_s=0.05) as client:
+        scores = client.score(ITEMS[:3])
+    assert asked == ["score", "score"]
+    assert scores == {"helpful": [0.5, None, None], "math": [1.0, 0.0, None]}  # NaN and infinities: unscored
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "said"),
+    [
+        (200, '{"scores": {"helpful": [0.5]}}', "2 items sent, but the scores of {'helpful': 1}"),
+        (200, '{"scores": {"helpful": [0.5, "0.7"]}}', "scores.helpful.1: Input should be a valid number, got '0.7'"),
+        (200, '{"scores": {"helpful": [true, 1]}}', "scores.helpful.0: Input should be a valid number"),
+        (200, '{"score": {}}', "scores: Field required"),
+        (200, "<html>hi</html>", "not JSON: '<html>hi</html>'"),
+        (404, '{"detail": "Not Found"}', "refused the request: HTTP 404"),
+    ],
+)
+def test_client_refuses_an_answer_outside_the_protocol_at_once(status, body, said):
+    app, asked = scripted((status, body))
+    with (
+        in_thread(app) as url,
+        RewardServerClient(url, retries=3, backoff_s=5) as client,
+        pytest.raises(RewardServerError) as error,
+    ):
+        client.score(ITEMS[:2])
+    assert asked == ["score"]  # no retry
+    assert f"reward server {url}/v1/score" in str(error.value) and said in str(error.value)
+
+
+class ConstantScorer:
+    """Components ``names`` scoring every item ``value``."""
+
+    def __init__(self, names: list[str], value: float):
+        self.names, self.value = names, value
+
+    def score(self, items):
+        return {name: [self.value] * len(items) for name in self.names}
+
+
+def test_check_components_names_the_missing_and_the_served():
+    app = build_app([ConstantScorer(["helpful", "harmless"], 0.25), ConstantScorer(["math"], math.nan)])
+    with in_thread(app) as url:
+        check_components(url + "/", ["math", "helpful"], timeout_s=5)
+        with pytest.raises(RewardServerError) as error:
+            check_components(url, ["helpful", "format", "length"], timeout_s=5)
+        with RewardServerClient(url) as client:  # the server's NaN goes out as null
+            assert client.score(ITEMS[:2]) == {"helpful": [0.25] * 2, "harmless": [0.25] * 2, "math": [None] * 2}
+    assert str(error.value) == (
+        f"reward server {url} has no component ['format', 'length']; it serves ['helpful', 'harmless', 'math']"
+    )
+    with pytest.raises(ValueError, match="clash"):
+        build_app([ConstantScorer(["math"], 0.0), ConstantScorer(["math"], 1.0)])
