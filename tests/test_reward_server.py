@@ -34,7 +34,11 @@ ITEMS = [  # two responses share each prompt: the server packs a prompt once for
     ScoreItem(prompt=RIVER, response="Warm pleasant river. \\boxed{4}", fields={"answer": "4"}),
     ScoreItem(prompt=RIVER, response="Dirty boring river. #### 1/2", fields={"answer": 0.5, "id": [1, 2]}),
     ScoreItem(prompt=KITCHEN, response="A kitchen. \\boxed{5}", fields={"answer": "4"}),
-    ScoreItem(prompt=KITCHEN, response="A quite pleasant kitchen.", fields={}),
+    ScoreItem(
+        prompt=KITCHEN,
+        response="```python\ndef f(x):\n    return x + 1\n```",
+        fields={"tests": ["assert f(1) == 2", "assert f(2) == 4"]},
+    ),
 ]
 
 
@@ -98,11 +102,11 @@ def in_process_rewards(model_dir: Path, items: list[ScoreItem]) -> torch.Tensor:
 
 def test_server_scores_like_the_in_process_reward_model(tmp_path, reward_model_dir):
     args = ["--reward-model", str(reward_model_dir), "--math-field", "answer", "--workers", "1"]
-    with server_process(tmp_path, *args, "--format-pattern", r"\\boxed\{") as (url, _):
+    with server_process(tmp_path, *args, "--format-pattern", r"\\boxed\{", "--code-field", "tests") as (url, _):
         assert url.startswith("http://127.0.0.1:")
         assert httpx.get(f"{url}/v1/health").json() == {"status": "ok", "protocol": 1}
         with RewardServerClient(url, timeout_s=60, retries=0) as client:
-            assert client.components() == ["helpful", "harmless", "math", "format"]
+            assert client.components() == ["helpful", "harmless", "math", "format", "code"]
             scores = client.score(ITEMS)
         bad = httpx.post(f"{url}/v1/score", json={"items": [{"prompt": "hello"}, {"prompt": [{"text": "hi"}]}]})
         assert bad.status_code == 422
@@ -118,6 +122,7 @@ def test_server_scores_like_the_in_process_reward_model(tmp_path, reward_model_d
     torch.testing.assert_close(served, expected, rtol=1e-5, atol=1e-5)
     assert scores["math"] == [1.0, 1.0, 0.0, None]  # 1/2 equals 0.5; the last item has no answer
     assert scores["format"] == [1.0, 0.0, 1.0, 0.0]
+    assert scores["code"] == [None, None, None, 0.5]  # the code passes one of its row's two tests, in the sandbox
 
 
 def test_server_refuses_a_command_with_nothing_to_serve_or_a_bad_pattern(capsys):

@@ -73,6 +73,10 @@ def test_learns_on_the_synthetic_task_with_bounded_kl(ppo_run):
     assert late > early + 0.25, (early, late)
     held_out = metric_series(root / "run", "eval/reward")
     assert held_out[ITERATIONS] > held_out[0] + 0.2, held_out
+    # the score's parts on held-out responses, sampled and greedy; the last line names the greedy ones
+    helpful, greedy = (metric_series(root / "run", f"eval/{k}/rm_helpful") for k in ("reward", "reward_greedy"))
+    assert sorted(helpful) == sorted(greedy) == sorted(held_out) and helpful != greedy
+    assert f"rm_helpful (greedy) {greedy[0]:.3f} -> {greedy[ITERATIONS]:.3f}" in result.stdout
     kl = metric_series(root / "run", "ppo/kl_per_token")  # the adaptive controller's target: 0.05 per token
     assert max(kl.values()) < 0.25 and sum(kl[i] for i in range(ITERATIONS - 4, ITERATIONS + 1)) / 5 < 0.1, kl
     coef = metric_series(root / "run", "ppo/kl_coef")

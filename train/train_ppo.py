@@ -31,7 +31,7 @@ from engine.data.errors import DataFileError
 from engine.data.prompts import Prompt, load_prompts, prompts_that_fit
 from engine.models.deepspeed_glue import describe_engine, save_hf_model, training_ds_config
 from engine.ppo.engines import HybridEngine, build_hybrid_engine, build_sampler, critic_value_weights
-from engine.ppo.evaluation import HeldOutEvaluator, held_out_eval
+from engine.ppo.evaluation import HeldOutEvaluator, held_out_eval, held_out_summary
 from engine.ppo.experience import OldLogprobSource, make_experience
 from engine.ppo.losses import AdaptiveKLController, FixedKLController
 from engine.ppo.monitors import HackingMonitor
@@ -351,10 +351,7 @@ def main() -> int:
     save_hf_model(engines.actor, tokenizer, os.path.join(out, "actor"))
     summary = f"ppo done: {iterations} iterations, last KL {metrics['ppo/kl_per_token']:.4f} per token"
     if first_eval and "eval/reward" in metrics:
-        summary += (
-            f"; held-out reward {first_eval['eval/reward']:.3f} -> {metrics['eval/reward']:.3f}, "
-            f"win rate vs reference {metrics['eval/win_rate']:.3f}"
-        )
+        summary += f"; {held_out_summary(first_eval, metrics)}"
     return run.finish(0, f"{summary}; actor saved to {out}/actor")
 
 

@@ -1,7 +1,9 @@
 """Held-out evaluation during PPO with the run's rewards.
 
 Every evaluation scores, on held-out prompts, one sampled response (fixed seed, so evaluations
-compare like with like) and the greedy response of the current policy, and compares the
+compare like with like) and the greedy response of the current policy (the score and each of its
+parts: ``eval/reward/<name>``, ``eval/reward_greedy/<name>``, e.g. the greedy exact-match
+accuracy of a math verifier), and compares the
 sampled one with the **reference policy's** sampled response to the same prompt: the win rate
 under the run's score (ties count half; 0.5 when the policy is the reference). It also measures the
 KL to the reference on the held-out responses and what the hacking monitors watch (length
@@ -45,6 +47,7 @@ class Responses:
     samples: list[Sample]
     texts: list[str]
     rewards: torch.Tensor  # (n,)
+    components: dict[str, torch.Tensor]  # the score's parts (reward/<name>), (n,) each
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -76,14 +79,15 @@ class HeldOutEvaluator:
         settings = SamplingSettings(1, temperature, self.settings.top_p, self.settings.max_new_tokens)
         samples = [group[0] for group in sampler.generate(self.ids, settings, request_seed=seed + self.rank)]
         texts = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
-        rewards = self.scorer.score(
+        rewards, parts = self.scorer.score(
             self.messages,
             texts,
             [s.finished for s in samples],
             [len(s.response_ids) for s in samples],
             self.fields,
-        )[0]
-        return Responses(samples, texts, rewards)
+        )
+        components = {k: v for k, v in parts.items() if not k.endswith(("/errors", "/timeouts"))}
+        return Responses(samples, texts, rewards, components)
 
     def sample_reference(self, sampler, engines: HybridEngine) -> None:
         """Sample the reference policy's responses: with ``sampler`` loaded with the reference's
@@ -132,6 +136,9 @@ class HeldOutEvaluator:
             ],
             dtype=torch.float64,
         )
+        names = sorted(sampled.components)
+        sums_of_parts = [r.components[k].sum() for r in (sampled, greedy) for k in names]
+        parts = all_reduce(torch.stack(sums_of_parts).double()).tolist() if names else []
         all_reduce(sums)
         n, reward, greedy_reward, ref_reward, wins, kl_sum, length, greedy_length, ref_length, repeated, total = (
             sums.tolist()
@@ -149,6 +156,8 @@ class HeldOutEvaluator:
             "length_ratio": length / max(ref_length, 1.0),
             "repeated_ngram_frac": repeated / max(total, 1.0),
         }
+        for i, (kind, name) in enumerate((kind, k) for kind in ("", "_greedy") for k in names):
+            metrics[name.replace("reward/", f"reward{kind}/", 1)] = parts[i] / n
         rows = (
             [
                 {
@@ -165,6 +174,19 @@ class HeldOutEvaluator:
             else []
         )
         return metrics, rows
+
+
+def held_out_summary(first: dict[str, float], last: dict[str, float]) -> str:
+    """The run's last line on its held-out evaluations: the reward before and after, the win rate,
+    and each component of the score on the greedy responses (a verifier's exact-match accuracy)."""
+    greedy = sorted(k for k in first if k.startswith("eval/reward_greedy/") and k in last)
+    parts = "".join(
+        f", {k.removeprefix('eval/reward_greedy/')} (greedy) {first[k]:.3f} -> {last[k]:.3f}" for k in greedy
+    )
+    return (
+        f"held-out reward {first['eval/reward']:.3f} -> {last['eval/reward']:.3f}, "
+        f"win rate vs reference {last['eval/win_rate']:.3f}{parts}"
+    )
 
 
 def held_out_eval(

@@ -6,7 +6,9 @@ Components it serves:
   the raw head value at the last token of the conversation rendered with the response as a
   closed assistant turn -- what the trainer's in-process reward model reads (RewardScorer.score);
 * ``--math-field F``: ``math``, verifiers.math_reward(response, fields[F], --math-pattern);
-* ``--format-pattern R``: ``format``, verifiers.format_reward(response, R).
+* ``--format-pattern R``: ``format``, verifiers.format_reward(response, R);
+* ``--code-field F``: ``code``, verifiers.code_reward(response, fields[F], ...): the share of the
+  row's tests the response's code passes in the sandbox (engine/rewards/sandbox.py, its default limits).
 
 The verifiers run in ``--workers`` reward worker processes (engine/rewards/pool.py), each call
 within ``--verifier-timeout`` seconds: math-verify's timeouts need a process's main thread, and
@@ -46,12 +48,14 @@ from engine.rewards.remote import (
     ScoreRequest,
     ScoreResponse,
 )
+from engine.rewards.sandbox import SandboxLimits
 from engine.run.launch import RunRefused
 from engine.run.preflight import check_reward_model, load_tokenizer
 
 log = logging.getLogger("engine.rewards.server")
 Scores = dict[str, list[float | None]]
 MATH_REWARD, FORMAT_REWARD = "engine.rewards.verifiers:math_reward", "engine.rewards.verifiers:format_reward"
+CODE_REWARD, CODE_LIMITS = "engine.rewards.verifiers:code_reward", SandboxLimits()
 
 
 class Scorer(Protocol):
@@ -117,16 +121,23 @@ class RewardModelScorer:
 
 
 class VerifierScorer:
-    """``math`` and/or ``format``, computed in a pool of reward worker processes."""
+    """``math``, ``format`` and/or ``code``, computed in a pool of reward worker processes."""
 
-    def __init__(self, pool: RewardPool, math_field: str, math_pattern: str, format_pattern: str, timeout_s: float):
-        self.pool, self.timeout_s = pool, timeout_s
-        self.math_field, self.math_pattern, self.format_pattern = math_field, math_pattern, format_pattern
-        self.names = (["math"] if math_field else []) + (["format"] if format_pattern else [])
+    def __init__(self, pool: RewardPool, args: argparse.Namespace):
+        self.pool, self.timeout_s = pool, args.verifier_timeout
+        self.math_field, self.math_pattern, self.format_pattern = (
+            args.math_field,
+            args.math_pattern,
+            args.format_pattern,
+        )
+        self.code_field = args.code_field
+        self.names = [name for name, on in (("math", args.math_field), ("format", self.format_pattern)) if on]
+        self.names += ["code"] if self.code_field else []
         self.lock = threading.Lock()  # the pool serves one batch at a time
 
     def score(self, items: Sequence[ScoreItem]) -> Scores:
         calls: dict[tuple[str, int], Call] = {}
+        limits = [CODE_LIMITS.cpu_s, CODE_LIMITS.wall_s, CODE_LIMITS.memory_mb]
         for i, item in enumerate(items):
             answer = item.fields.get(self.math_field) if self.math_field else None
             if answer is not None:  # an item without the reference answer cannot be scored
@@ -134,6 +145,9 @@ class VerifierScorer:
                 calls["math", i] = Call(MATH_REWARD, args, timeout_s=self.timeout_s)
             if self.format_pattern:
                 calls["format", i] = Call(FORMAT_REWARD, [item.response, self.format_pattern], timeout_s=self.timeout_s)
+            tests = item.fields.get(self.code_field) if self.code_field else None
+            if tests is not None:
+                calls["code", i] = Call(CODE_REWARD, [item.response, tests, *limits], timeout_s=CODE_LIMITS.wall_s + 5)
         with self.lock:
             outcomes = dict(zip(calls, self.pool.run(list(calls.values()))))
         for (name, i), outcome in outcomes.items():
@@ -206,11 +220,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--math-field", default="", help="the row field with the reference answer: component math")
     parser.add_argument("--math-pattern", default="", help="regex whose first group is the final answer")
     parser.add_argument("--format-pattern", default="", help="regex a response must contain: component format")
+    parser.add_argument("--code-field", default="", help="the row field with the tests: component code (sandboxed)")
     parser.add_argument("--workers", type=int, default=2, help="reward worker processes for the verifiers")
     parser.add_argument("--verifier-timeout", type=float, default=10.0, help="seconds per verifier call")
     args = parser.parse_args(argv)
-    if not (args.reward_model or args.math_field or args.format_pattern):
-        parser.error("nothing to serve: give --reward-model, --math-field and/or --format-pattern")
+    if not (args.reward_model or args.math_field or args.format_pattern or args.code_field):
+        parser.error("nothing to serve: give --reward-model, --math-field, --format-pattern and/or --code-field")
     for flag in ("math_pattern", "format_pattern"):
         try:
             re.compile(getattr(args, flag))
@@ -224,7 +239,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    pool = RewardPool(args.workers) if args.math_field or args.format_pattern else None
+    pool = RewardPool(args.workers) if args.math_field or args.format_pattern or args.code_field else None
     try:
         scorers: list[Scorer] = []
         try:
@@ -232,9 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 dtype = getattr(torch, args.dtype)
                 scorers.append(RewardModelScorer(args.reward_model, args.device, dtype, args.max_tokens))
             if pool is not None:
-                verifiers = VerifierScorer(
-                    pool, args.math_field, args.math_pattern, args.format_pattern, args.verifier_timeout
-                )
+                verifiers = VerifierScorer(pool, args)
                 verifiers.warm_up(args.workers)
                 scorers.append(verifiers)
             app = build_app(scorers)
