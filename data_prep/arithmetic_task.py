@@ -1,8 +1,8 @@
 """A synthetic verifiable-reward task: arithmetic word problems with integer answers. No download.
 
     python -m data_prep.arithmetic_task --out DIR [--num-train 4000] [--num-eval 200] \\
-        [--num-demonstrations 2000] [--demonstration-accuracy 0.5] [--seed 0] \\
-        [--max-operand 20] [--max-steps 2] [--multiplication --max-factor 5]
+        [--num-demonstrations 2000] [--demonstration-accuracy 0.5] [--offsets=-3,-2,-1,1,2,3] \\
+        [--seed 0] [--max-operand 20] [--max-steps 2] [--multiplication --max-factor 5]
 
 A problem is ``--min-steps``..``--max-steps`` (1..2) operations, + and - (and a product to start
 with, under ``--multiplication``):
@@ -14,9 +14,10 @@ zero, so every answer is a non-negative integer. Writes into ``--out``:
 * ``demonstrations.jsonl``: ``{"prompt", "response", "answer", "correct"}`` rows for
   data_prep/prepare_sft.py. The response works the problem out one step a line and ends in the
   answer format: ``"7 + 5 = 12\\n#### 12"``. Only ``--demonstration-accuracy`` of them are
-  right; in the others the last step's result is off by 1 to 3 (``"7 + 5 = 13\\n#### 13"``), so
-  that a policy fine-tuned on them writes the format but the right answer only sometimes, leaving
-  reinforcement learning against the answer check room to improve.
+  right; in the others the last step's result is off by one of ``--offsets`` (by default 1 to 3
+  either way: ``"7 + 5 = 13\\n#### 13"``; ``--offsets 1``: always one too many, a systematic slip),
+  so that a policy fine-tuned on them writes the format but the right answer only sometimes,
+  leaving reinforcement learning against the answer check room to improve.
 * ``prompts.jsonl``: ``{"prompt", "answer"}`` rows (answer a string: ``"12"``) for
   ``data_prep.prepare_prompts --fields answer``.
 * ``eval_prompts.jsonl``: held-out problems in the same shape, whose arithmetic (the numbers and
@@ -99,14 +100,13 @@ def sample_problem(
     return Problem(" ".join(sentences), expression, tuple(steps), total)
 
 
-def worked_answer(problem: Problem, rng: random.Random, correct: bool) -> str:
+def worked_answer(problem: Problem, rng: random.Random, correct: bool, offsets: Sequence[int]) -> str:
     """One line per step and the answer line; when not ``correct``, the last step's result is off by
-    1 to 3 (never negative) and the answer follows it."""
+    one of ``offsets`` (one that keeps it non-negative; else by +1) and the answer follows it."""
     lines = [f"{left} {op} {right} = {result}" for left, op, right, result in problem.steps]
     given = problem.answer
     if not correct:
-        offsets = [d for d in (-3, -2, -1, 1, 2, 3) if problem.answer + d >= 0]
-        given = problem.answer + rng.choice(offsets)
+        given = problem.answer + rng.choice([d for d in offsets if problem.answer + d >= 0] or [1])
         left, op, right, _ = problem.steps[-1]
         lines[-1] = f"{left} {op} {right} = {given}"
     return "\n".join([*lines, ANSWER_FORMAT.format(answer=given)])
@@ -143,6 +143,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--demonstration-accuracy", type=float, default=0.5, help="fraction of demonstrations with the right answer"
     )
     parser.add_argument(
+        "--offsets",
+        type=lambda text: [int(d) for d in text.split(",")],
+        default=[-3, -2, -1, 1, 2, 3],
+        help="comma-separated offsets of a wrong demonstration's answer (drawn uniformly; not 0)",
+    )
+    parser.add_argument(
         "--max-operand", type=int, default=20, help="largest number a + or - problem starts with or adds"
     )
     parser.add_argument("--min-steps", type=int, default=1, help="fewest operations in a problem")
@@ -153,6 +159,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not 0.0 <= args.demonstration_accuracy <= 1.0:
         parser.error(f"--demonstration-accuracy must be in [0, 1], got {args.demonstration_accuracy}")
+    if not args.offsets or 0 in args.offsets:
+        parser.error(f"--offsets must be non-zero integers, got {args.offsets}")
     if args.max_operand < 2 or args.max_factor < 2:
         parser.error(f"--max-operand and --max-factor must be at least 2, got {args.max_operand}, {args.max_factor}")
     if not 1 <= args.min_steps <= args.max_steps:
@@ -183,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     right = set(rng.sample(range(len(demonstrations)), round(args.demonstration_accuracy * len(demonstrations))))
     demo_rows = []
     for i, p in enumerate(demonstrations):
-        response = worked_answer(p, rng, correct=i in right)
+        response = worked_answer(p, rng, correct=i in right, offsets=args.offsets)
         demo_rows.append({"prompt": p.text, "response": response, "answer": str(p.answer), "correct": i in right})
     write_rows(os.path.join(args.out, "demonstrations.jsonl"), demo_rows)
     print(

@@ -63,6 +63,11 @@ def test_problems_are_right_held_out_and_deterministic(tmp_path):
         *lines, _ = r["response"].split("\n")
         assert lines[-1].endswith(f"= {g}") and len(lines) == solved[r["prompt"]][1].count(" ") // 2
 
+    # --offsets: a systematic slip, every wrong answer one too many.
+    slipped = generate(tmp_path / "d", *extra, "--demonstration-accuracy", "0.25", "--offsets=1")
+    given = [int(r["response"].rsplit("#### ", 1)[1]) - int(r["answer"]) for r in slipped["demonstrations.jsonl"]]
+    assert sorted(set(given)) == [0, 1] and given.count(0) == 50
+
 
 def test_task_to_tiny_model_to_prompt_and_sft_files(tmp_path):
     generate(tmp_path, "--num-train", "60", "--num-eval", "20", "--num-demonstrations", "80")

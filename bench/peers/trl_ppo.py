@@ -5,23 +5,14 @@ line with the seconds of each iteration."""
 from __future__ import annotations
 
 import argparse
-import json
-import time
 
 import pyarrow.parquet as pq
 import torch
 from datasets import Dataset
+from iteration_clock import IterationClock, train_and_print_step_seconds
 from torch.utils.data import DataLoader
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 from trl.experimental.ppo import PPOConfig, PPOTrainer
-
-
-class IterationClock(TrainerCallback):
-    def __init__(self):
-        self.stamps = [time.perf_counter()]
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.stamps.append(time.perf_counter())
 
 
 def main() -> None:
@@ -104,10 +95,7 @@ def main() -> None:
             drop_last=True,
         )
     )
-    clock.stamps = [time.perf_counter()]
-    trainer.train()
-    seconds = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
-    print(json.dumps({"iteration_seconds": seconds}))
+    train_and_print_step_seconds(trainer, clock)
 
 
 if __name__ == "__main__":
