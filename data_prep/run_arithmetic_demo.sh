@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The verifiable-reward demo on CPU: arithmetic word problems -> tiny model -> SFT on demonstrations
-# (only some of them right) -> GRPO against the math verifier alone (no reward model, no critic), with
+# (10% right, the others one too many) -> GRPO against the math verifier alone (no reward model, no critic), with
 # held-out exact-match accuracy (HF generate, temperature 0) before and after.
 # Usage: bash data_prep/run_arithmetic_demo.sh [OUT_DIR]   (it replaces an earlier demo in OUT_DIR)
 set -euo pipefail
@@ -11,7 +11,7 @@ exact_match() {  # MODEL_DIR NAME: held-out exact match, printed and kept in $ou
 }
 
 echo "== 1/5 arithmetic task, tiny model, parquet splits"
-python -m data_prep.arithmetic_task --out "$out/raw"
+python -m data_prep.arithmetic_task --out "$out/raw" --demonstration-accuracy 0.1 --offsets=1
 python -m data_prep.make_tiny_model --text "$out/raw/demonstrations.jsonl" --out "$out/tiny-base"
 python -m data_prep.prepare_sft --input "$out/raw/demonstrations.jsonl" --tokenizer "$out/tiny-base" --out "$out/data"
 python -m data_prep.prepare_prompts --input "$out/raw/prompts.jsonl" --fields answer --validation-fraction 0 \
