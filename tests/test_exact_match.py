@@ -63,3 +63,5 @@ def test_the_greedy_answer_counts_and_another_does_not(tmp_path, capsys):
     parquet = str(tmp_path / "data" / "prompts_validation.parquet")
     assert exact_match.main(["--model", str(out), "--prompts", parquet, "--max-new-tokens", "16"]) == 0
     assert capsys.readouterr().out == "exact match: 0.500 (1/2)\n"
+    assert exact_match.main(["--model", str(out), "--prompts", parquet, "--field", "tests"]) == 2
+    assert "'tests'" in capsys.readouterr().err

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.data.chat import Message, prompt_ids
+from engine.data.errors import DataFileError
 from engine.data.prompts import load_prompts
 from engine.rewards.verifiers import math_reward
 from engine.rollout.sampler import HFSampler, SamplingSettings
@@ -69,7 +70,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32, help="response length limit")
     parser.add_argument("--batch-size", type=int, default=64, help="prompts per generate call")
     args = parser.parse_args(argv)
-    rows = load_prompts(args.prompts, {args.field: "--field"})
+    try:
+        rows = load_prompts(args.prompts, {args.field: "--field"})
+    except DataFileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     answers = [r.fields[args.field] for r in rows]
     accuracy = greedy_accuracy(args.model, [r.messages for r in rows], answers, args.max_new_tokens, args.batch_size)
     print(f"exact match: {accuracy:.3f} ({round(accuracy * len(rows))}/{len(rows)})")
