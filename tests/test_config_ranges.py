@@ -208,6 +208,8 @@ def test_bf16_follows_the_deepspeed_config_unless_the_run_config_says():
             "ppo.tis_cap corrects the gap between the sampler's and the actor's",
         ),
         ({"ppo": {"tis_cap": 0.5}}, "ppo.tis_cap"),
+        ({"monitors": {"action": "rollback"}}, "monitors.action rollback returns to the last good evaluation"),
+        ({"monitors": {"action": "pause"}}, "monitors.action"),
     ],
 )
 def test_critic_free_estimators_and_lora_refuse_what_they_cannot_do(overrides, message):

@@ -34,12 +34,15 @@ def test_rollback_guard_tracks_the_best_and_gives_up():
     assert [guard.is_drop(r) for r in (1.0, 1.2, 1.15)] == [False, False, False]  # 1.15 is within 5% of 1.2
     assert guard.best == 1.2
     assert guard.is_drop(1.0)
-    guard.count_rollback(1.0, "ckpt/step4")
+    guard.count_rollback(guard.drop_reason(1.0), "ckpt/step4")
     assert guard.rollbacks == 1 and guard.best == 1.2
-    with pytest.raises(TrainingAborted, match=r"already rolled back 1 time.*restart from ckpt/step4"):
-        guard.count_rollback(0.9, "ckpt/step4")
+    with pytest.raises(
+        TrainingAborted,
+        match=r"fell to 0.9000 from a best of 1.2000 and already rolled back 1 time.*restart from ckpt/step4",
+    ):
+        guard.count_rollback(guard.drop_reason(0.9), "ckpt/step4")
     with pytest.raises(TrainingAborted, match="no checkpoint"):
-        RollbackGuard(0.05, 0.0, 3, best=1.0).count_rollback(0.5, None)
+        RollbackGuard(0.05, 0.0, 3, best=1.0).count_rollback("a flag", None)
     # Near zero a fraction of |best| is noise: the absolute floor decides.
     floor = RollbackGuard(max_drop=0.05, min_drop=0.2, max_rollbacks=1)
     assert not floor.is_drop(0.01) and not floor.is_drop(-0.1) and floor.is_drop(-0.3)

@@ -1,57 +1,114 @@
-"""Reward-hacking monitors on constructed cases, and the win-rate rule."""
+"""Reward-hacking monitors on constructed cases: the measures, each flag, raising once while a
+condition holds, the KL limit's defaults, the checkpointed state, and the win-rate rule."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from engine.config import build_config
 from engine.ppo.evaluation import win_scores
-from engine.ppo.monitors import HackingMonitor, repeated_ngrams
+from engine.ppo.monitors import HackingMonitor, MonitorLimits, distinct_share, repeated_ngrams, within_prompt_diversity
+from engine.run_config import PPOConfig
 
 REFERENCE = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25]]
+LIMITS = MonitorLimits(
+    length_ratio_max=1.5,
+    length_ratio_min=0.5,
+    repeated_ngram_max=0.3,
+    entropy_min_share=0.3,
+    diversity_min_share=0.5,
+    kl_per_token_max=0.2,
+    win_rate_drop=0.05,
+)
+MINIMAL = {"actor": {"path": "a"}, "reward_model": {"path": "r"}, "data": {"prompts": "p"}, "deepspeed": {}}
 
 
-def held_out(responses: list[list[int]], win_rate: float, kl_per_token: float = 0.01) -> dict[str, float]:
-    """The monitored eval metrics of a set of responses (engine/ppo/evaluation.py computes the same)."""
+def held_out(responses: list[list[int]], win_rate: float) -> dict[str, float]:
+    """The monitored eval/* metrics of a set of responses (engine/ppo/evaluation.py computes the same)."""
     repeated, total = map(sum, zip(*(repeated_ngrams(r, 4) for r in responses)))
-    length_ratio = sum(map(len, responses)) / sum(map(len, REFERENCE))
     return {
-        "length_ratio": length_ratio,
-        "repeated_ngram_frac": repeated / total,
-        "win_rate": win_rate,
-        "kl_per_token": kl_per_token,
+        "eval/length_ratio": sum(map(len, responses)) / sum(map(len, REFERENCE)),
+        "eval/repeated_ngram_frac": repeated / max(total, 1),
+        "eval/distinct_ratio": distinct_share(responses, 2) / distinct_share(REFERENCE, 2),
+        "eval/win_rate": win_rate,
     }
 
 
-def test_repeated_ngrams():
+def rollout(score: float, entropy: float, diversity: float, kl: float) -> dict[str, float]:
+    return {"ppo/score": score, "ppo/entropy": entropy, "ppo/distinct_within_prompt": diversity, "ppo/kl_per_token": kl}
+
+
+def test_ngram_measures():
     assert repeated_ngrams([1, 2, 3, 4, 5], 2) == (0, 4)
     assert repeated_ngrams([1, 2, 1, 2, 1, 2], 2) == (3, 5)  # (1,2) x3, (2,1) x2: three repeats
     assert repeated_ngrams([1, 2], 4) == (0, 0)
+    # distinct-2 over responses together: (1,2) (2,3) | (1,2) (2,4) -> 3 distinct of 4
+    assert distinct_share([[1, 2, 3], [1, 2, 4]], 2) == 0.75
+    assert distinct_share([[7], [7]], 2) == 0.0  # no bigram at all: no diversity
+    # two prompts x two samples: 3/4 for the first, 1/2 for the second (the same response twice)
+    assert within_prompt_diversity([[1, 2, 3], [1, 2, 4], [5, 6], [5, 6]], 2, 2) == pytest.approx(0.625)
 
 
 def test_a_policy_that_only_lengthens_its_answers_is_flagged():
-    monitor = HackingMonitor(length_ratio_max=1.5, repeated_ngram_max=0.3, kl_ceiling=None)
-    assert monitor.check(held_out(REFERENCE, win_rate=0.5), train_reward=None) == []
+    monitor = HackingMonitor(LIMITS)
+    assert monitor.check_evaluation(0, held_out(REFERENCE, win_rate=0.5)) == []
     padded = [r + r[-4:] * 4 for r in REFERENCE]  # same answer, then its tail over and over
-    flags = dict(monitor.check(held_out(padded, win_rate=0.45), train_reward=1.3))
-    assert set(flags) == {"monitor/length_drift", "monitor/repetition"}
-    assert "3.29x the reference's length" in flags["monitor/length_drift"]
-    # Next evaluation: the training reward keeps rising while the held-out win rate falls.
-    flags = dict(monitor.check(held_out(padded, win_rate=0.40), train_reward=1.6))
-    assert "monitor/reward_up_win_rate_down" in flags
+    monitor.check_iteration(1, rollout(1.3, 2.0, 0.8, 0.01))
+    flags = {f.kind: f for f in monitor.check_evaluation(2, held_out(padded, win_rate=0.45))}
+    assert set(flags) == {"monitor/length_growth", "monitor/repetition", "monitor/diversity_collapse"}
+    assert "3.29x the reference's length" in flags["monitor/length_growth"].message
+    assert flags["monitor/repetition"].since == 0  # the band starts at the previous evaluation
+    # Next evaluation: the training reward keeps rising while the held-out win rate falls by more
+    # than win_rate_drop; the conditions still holding raise no second flag.
+    monitor.check_iteration(3, rollout(1.6, 2.0, 0.8, 0.01))
+    flags = {f.kind: f for f in monitor.check_evaluation(4, held_out(padded, win_rate=0.35))}
+    assert list(flags) == ["monitor/reward_up_win_rate_down"]
     assert (
-        "rose 1.300 -> 1.600 while the held-out win rate fell 0.450 -> 0.400"
-        in flags["monitor/reward_up_win_rate_down"]
+        "rose 1.300 -> 1.600 while the held-out win rate fell 0.450 -> 0.350"
+        in flags["monitor/reward_up_win_rate_down"].message
+    )
+    monitor.check_iteration(5, rollout(1.7, 2.0, 0.8, 0.01))  # a fall within win_rate_drop is noise
+    assert monitor.check_evaluation(6, held_out(padded, win_rate=0.32)) == []
+    assert monitor.summary() == (
+        "4 reward-hacking flags: length_growth (iteration 2), repetition (iteration 2), "
+        "diversity_collapse (iteration 2), reward_up_win_rate_down (iteration 4)"
     )
 
 
-def test_kl_ceiling_flag_and_state_round_trip():
-    monitor = HackingMonitor(1.5, 0.3, kl_ceiling=0.1)
-    assert [k for k, _ in monitor.check(held_out(REFERENCE, 0.6, kl_per_token=0.2), 0.5)] == [
-        "monitor/kl_above_ceiling"
+def test_a_collapsed_policy_is_flagged_at_its_iterations_and_evaluations():
+    """The collapse of the issue that asked for these monitors: fragments like '.' and ' harbor.'."""
+    monitor = HackingMonitor(LIMITS)
+    assert monitor.check_iteration(1, rollout(0.4, 2.95, 0.8, 0.01)) == []  # the start
+    assert monitor.check_iteration(2, rollout(0.8, 1.5, 0.6, 0.1)) == []
+    flags = monitor.check_iteration(3, rollout(1.2, 0.4, 0.3, 3.8))
+    assert [f.kind for f in flags] == [
+        "monitor/entropy_collapse",
+        "monitor/sample_diversity_collapse",
+        "monitor/kl_high",
     ]
-    restored = HackingMonitor(1.5, 0.3, 0.1)
+    assert "0.400 is below 30% of the first iteration's 2.950" in flags[0].message and flags[0].since == 2
+    assert "3.8000 per token is above 0.2" in flags[2].message
+    assert monitor.check_iteration(4, rollout(1.3, 0.4, 0.3, 3.8)) == []  # still holding: raised once
+    assert monitor.check_iteration(5, rollout(1.3, 2.9, 0.8, 0.01)) == []  # cleared ...
+    assert [f.kind for f in monitor.check_iteration(6, rollout(1.3, 0.5, 0.8, 0.01))] == ["monitor/entropy_collapse"]
+    fragments = [[14, 13]] * 3  # the same fragment for every prompt
+    flags = monitor.check_evaluation(6, held_out(fragments, win_rate=1.0))
+    assert [f.kind for f in flags] == ["monitor/length_collapse", "monitor/diversity_collapse"]
+    assert "0.43x the reference's length (limit 0.5)" in flags[0].message
+    restored = HackingMonitor(LIMITS)
     restored.load_state_dict(monitor.state_dict())
-    assert restored == monitor and restored.last_win_rate == 0.6
+    assert restored == monitor and restored.raised[-1] == ("diversity_collapse", 6)
+
+
+def test_the_kl_limit_follows_the_guard_or_the_controller():
+    limit = lambda **sections: (
+        MonitorLimits.from_config(build_config(PPOConfig, MINIMAL | sections, "run.json")).kl_per_token_max
+    )
+    assert limit() == 0.5
+    assert limit(ppo={"kl_target": 0.05}) == pytest.approx(0.2)
+    assert limit(ppo={"kl_target": 0.05}, guards={"kl_ceiling": 0.1}) == pytest.approx(0.4)
+    assert limit(guards={"kl_ceiling": 0.1}, monitors={"kl_per_token_max": 1.0}) == 1.0
 
 
 def test_win_scores_count_ties_half():

@@ -6,7 +6,8 @@ and the same example with a misspelled key is refused.
 The README's first block (`make setup`, `make demo`, `make test`) is CI itself (.ci/run runs setup
 and test) and the demo. The README's other blocks (the demo step by step) run first, then the
 pages of docs/ in DOCS_ORDER (later guides use the demo's data and models); a guide's command that
-repeats one already run is not run again. Training commands run shortened (`--train.max_steps 2`,
+repeats one already run is not run again; the arithmetic task's commands run in a lane of their own
+beside the others, and every launch on a free port. Training commands run shortened (`--train.max_steps 2`,
 `--train.iterations 1` appended: the full runs are the demo and the end-to-end tests); the guides
 prefer `--dry-run` where a full run adds nothing.
 """
@@ -19,9 +20,11 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 SHORTER = {
@@ -117,24 +120,40 @@ def clone(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     return root, env
 
 
+def with_free_port(command: str) -> str:
+    """A launcher command on a free rendezvous port: the default 29500 collides with any other launch
+    on the machine (the other lane, a second test run)."""
+    return command.replace("deepspeed --num_gpus", f"deepspeed --master_port {free_port()} --num_gpus")
+
+
+def run_lane(root: Path, env: dict[str, str], lane: list[tuple[str, str]]) -> None:
+    """Run ``(page, command)`` pairs in order; fail on the first that does not exit 0."""
+    for page, command in lane:
+        result = subprocess.run(
+            ["bash", "-c", with_free_port(command)], cwd=root, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert result.returncode == 0, f"{page}: {command}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+
+
 @pytest.fixture(scope="module")
 def ran_readme(clone):
+    """Every command, in page order; a command repeating an earlier one (a guide repeating the demo's
+    step) is not run again. The arithmetic task's commands, which share no file with the others,
+    run in a second lane beside them (two processes at a time: the machine's two cores)."""
     root, env = clone
     readme_blocks = fenced_blocks(REPO / "README.md", "bash")
     assert readme_blocks[0].startswith("make setup") and len(readme_blocks) >= 2
     blocks = [("README.md", block) for block in readme_blocks[1:]]
     blocks += [(f"docs/{page.name}", block) for page in pages()[1:] for block in fenced_blocks(page, "bash")]
-    ran: list[tuple[str, str]] = []
-    for page, block in blocks:
-        for command in shell_commands(block):
-            if any(command == done for _, done in ran):  # a guide repeating the demo's step: it ran already
-                ran.append((page, command))
-                continue
-            result = subprocess.run(
-                ["bash", "-c", command], cwd=root, env=env, capture_output=True, text=True, timeout=600
-            )
-            assert result.returncode == 0, f"{page}: {command}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-            ran.append((page, command))
+    ran = [(page, command) for page, block in blocks for command in shell_commands(block)]
+    firsts: list[tuple[str, str]] = []
+    for page, command in ran:
+        if all(command != done for _, done in firsts):
+            firsts.append((page, command))
+    lanes = [[pc for pc in firsts if ("arithmetic" in pc[1]) == second] for second in (False, True)]
+    with ThreadPoolExecutor(len(lanes)) as pool:
+        for lane in [pool.submit(run_lane, root, env, lane) for lane in lanes]:
+            lane.result()
     return root, env, ran
 
 
@@ -152,10 +171,10 @@ def test_every_shell_command_runs_as_written(ran_readme):
         assert (root / made).is_file(), made
 
 
-def dry_run(root: Path, env: dict[str, str], script: str, config: dict) -> subprocess.CompletedProcess:
-    (root / "example.json").write_text(json.dumps(config))
+def dry_run(root: Path, env: dict[str, str], script: str, config: dict, name: str) -> subprocess.CompletedProcess:
+    (root / name).write_text(json.dumps(config))
     return subprocess.run(
-        [sys.executable, script, "--config", "example.json", "--dry-run"],
+        [sys.executable, script, "--config", name, "--dry-run"],
         cwd=root,
         env=env,
         capture_output=True,
@@ -164,13 +183,29 @@ def dry_run(root: Path, env: dict[str, str], script: str, config: dict) -> subpr
     )
 
 
+def misspelled(config: dict) -> tuple[dict, str, str]:
+    """The config with its first train key's last letter lost, the key, and the misspelling."""
+    train = config["train"]
+    key = next(iter(train))
+    typo = key[:-1]
+    return {**config, "train": {typo if k == key else k: v for k, v in train.items()}}, key, typo
+
+
 def test_every_config_example_dry_runs_with_its_values_and_refuses_a_misspelled_key(ran_readme):
     root, env, _ = ran_readme
     examples = [(page, json.loads(text)) for page in pages() for text in fenced_blocks(page, "json")]
     assert sorted(str(page.relative_to(REPO)) for page, _ in examples) == sorted(EXAMPLE_SCRIPTS)
-    for page, config in examples:
-        script = EXAMPLE_SCRIPTS[str(page.relative_to(REPO))]
-        plan = dry_run(root, env, script, config)
+    scripts = [EXAMPLE_SCRIPTS[str(page.relative_to(REPO))] for page, _ in examples]
+    with ThreadPoolExecutor(2) as pool:  # the plans and the refusals, two processes at a time
+        plans = pool.map(
+            lambda i: dry_run(root, env, scripts[i], examples[i][1], f"example{i}.json"), range(len(examples))
+        )
+        refusals = pool.map(
+            lambda i: dry_run(root, env, scripts[i], misspelled(examples[i][1])[0], f"typo{i}.json"),
+            range(len(examples)),
+        )
+        plans, refusals = list(plans), list(refusals)
+    for (page, config), script, plan, refused in zip(examples, scripts, plans, refusals):
         assert plan.returncode == 0 and f"dry run of {Path(script).name}" in plan.stdout, (page, plan.stderr[-3000:])
         # The plan states the example's own values: the step size, the token budget, the ZeRO stage of
         # its DeepSpeed file, and as many steps as its epochs make.
@@ -190,10 +225,7 @@ def test_every_config_example_dry_runs_with_its_values_and_refuses_a_misspelled_
         total = train.get("epochs", 1) * int(steps[1]) if steps else -1
         assert steps and int(steps[2]) == min(total, train.get("max_steps") or total), (page, plan.stdout)
         # The same example with a key misspelled (its last letter lost) is refused by name, before any model loads.
-        key = next(iter(train))
-        typo = key[:-1]
-        misspelled = {**config, "train": {typo if k == key else k: v for k, v in train.items()}}
-        refused = dry_run(root, env, script, misspelled)
+        _, key, typo = misspelled(config)
         said = refused.stdout + refused.stderr
         assert refused.returncode == 2, (page, typo, said[-3000:])
         assert f"unknown key 'train.{typo}'" in said and f"did you mean '{key}'" in said, (page, said[-3000:])

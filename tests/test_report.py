@@ -6,7 +6,10 @@ import json
 import math
 from pathlib import Path
 
+from matplotlib.figure import Figure
+
 from engine.observe import report
+from engine.observe.plots import mark_flags
 
 STEPS, EVAL_EVERY = 12, 4
 COMPONENTS = ("helpful", "harmless")
@@ -110,8 +113,8 @@ PPO_EVENTS = [
     {"step": 3, "event": "nonfinite_skip", "message": "loss is nan; step skipped"},
     {"step": 5, "event": "kl_guard", "message": "kl 5.1 > ceiling 4"},
     {"step": 6, "event": "rollback", "message": "rolled back to step 4", "to_step": 4},
-    {"step": 8, "event": "monitor/length_drift", "message": "length ratio 1.7 & rising"},
-    {"step": 8, "event": "monitor/kl_above_ceiling", "message": "kl above ceiling"},
+    {"step": 8, "event": "monitor/length_growth", "message": "length ratio 1.7 & rising", "since": 4},
+    {"step": 8, "event": "monitor/kl_high", "message": "kl above its limit", "since": 7},
 ]
 
 
@@ -179,6 +182,15 @@ def test_ppo_report(tmp_path):
     assert all(f"<div>{r}</div>" in text for r in shown)
     assert "response 4-0" not in text and "response 0-4" not in text  # only first/middle/last steps, 4 rows each
     assert "reference 0-1" in text
+
+
+def test_reward_hacking_flags_are_bands_on_every_step_axis():
+    fig = Figure()
+    steps, other = fig.subplots(1, 2)
+    steps.set_xlabel("step")
+    mark_flags(fig, PPO_EVENTS)
+    bands = [p.get_x() for p in steps.patches]  # axvspan: a rectangle from its start
+    assert bands == [4, 7] and not other.patches  # since -> step, for the two monitor events only
 
 
 def test_running_run_with_half_written_line(tmp_path):

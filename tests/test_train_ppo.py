@@ -65,7 +65,9 @@ def ppo_run(tmp_path_factory, sft_run, rm_run, rm_data):
 
 def test_learns_on_the_synthetic_task_with_bounded_kl(ppo_run):
     root, result = ppo_run
-    assert "held-out reward" in result.stdout
+    assert "held-out reward" in result.stdout and f"ppo done: {ITERATIONS} iterations" in result.stdout
+    flags = [e for e in read_events(root / "run") if e["event"].startswith("monitor/")]
+    assert not flags, flags  # learning, not hacking: the default reward-hacking monitors raise nothing
     score = metric_series(root / "run", "ppo/score")
     assert sorted(score) == list(range(1, ITERATIONS + 1))
     early = sum(score[i] for i in range(1, 6)) / 5
@@ -409,7 +411,7 @@ def test_zero2_with_replicated_frozen_models_and_lora(tiny_model_dir, rm_run, rm
     # The monitor flags the held-out KL of the final evaluation against the same ceiling.
     assert [(e["step"], e["event"]) for e in read_events(tmp_path / "run")] == [
         (2, "kl_guard"),
-        (2, "monitor/kl_above_ceiling"),
+        (2, "monitor/kl_high"),
     ]
     assert metric_series(tmp_path / "run", "ppo/actor_lr") == {1: 3e-3, 2: 1.5e-3}
 

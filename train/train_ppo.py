@@ -22,81 +22,30 @@ import time
 from functools import partial
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from engine.config import config_to_dict
 from engine.data.batching import epoch_order
 from engine.data.chat import prompt_ids
 from engine.data.errors import DataFileError
-from engine.data.prompts import Prompt, load_prompts, prompts_that_fit
+from engine.data.prompts import Prompt
 from engine.models.deepspeed_glue import describe_engine, save_hf_model, training_ds_config
 from engine.ppo.engines import HybridEngine, build_hybrid_engine, build_sampler, critic_value_weights
 from engine.ppo.evaluation import HeldOutEvaluator, held_out_eval, held_out_summary
 from engine.ppo.experience import OldLogprobSource, make_experience
+from engine.ppo.inputs import check_models, load_fitting_prompts, reward_components
 from engine.ppo.losses import AdaptiveKLController, FixedKLController
-from engine.ppo.monitors import HackingMonitor
+from engine.ppo.monitors import HackingMonitor, MonitorLimits, act_on_flags
 from engine.ppo.rewards import RewardModelScorer, RewardScorer
 from engine.ppo.settings import ExperienceSettings, UpdateSettings
 from engine.ppo.update import global_token_count, update_on_rollout
-from engine.rewards.code_tests import check_column
-from engine.rewards.components import RewardComponents, RewardsConfigError, RewardsUnavailable
+from engine.rewards.components import RewardsUnavailable
 from engine.rollout.sampler import SamplingSettings
 from engine.run.distributed import accelerator_memory_metrics, mean_over_ranks
 from engine.run.dry_run import ppo_plan
 from engine.run.guards import KLGuard, NonFiniteGuard, RollbackGuard
-from engine.run.launch import RunRefused, run_main, start_run
+from engine.run.launch import run_main, start_run
 from engine.run.lifecycle import RunEnded, RunLifecycle
-from engine.run.preflight import check_lora_targets, check_reward_model, check_vllm_can_run, load_tokenizer
 from engine.run_config import PPOConfig
-
-
-def load_fitting_prompts(path: str, tokenizer, cfg: PPOConfig, rank: int) -> list[Prompt]:
-    """The prompts of ``path``, with the columns the rewards read (the code reward's tests must parse),
-    that leave room for a response of rollout.max_new_tokens within a micro-batch and, with vLLM, its
-    context (the others are dropped and counted)."""
-    room = min(
-        cfg.ppo.max_tokens_per_micro_batch, cfg.rollout.vllm_max_model_len if cfg.rollout.sampler == "vllm" else 1 << 62
-    )
-    prompts = load_prompts(path, cfg.rewards.fields())
-    if cfg.rewards.code:
-        check_column(path, cfg.rewards.code.field, [p.fields[cfg.rewards.code.field] for p in prompts])
-    prompts, dropped = prompts_that_fit(prompts, tokenizer, room - cfg.rollout.max_new_tokens)
-    if dropped and rank == 0:
-        print(
-            f"{path}: dropped {dropped} of {len(prompts) + dropped} prompts longer than "
-            f"{room - cfg.rollout.max_new_tokens} tokens (the smaller of ppo.max_tokens_per_micro_batch and "
-            "rollout.vllm_max_model_len, less rollout.max_new_tokens)"
-        )
-    return prompts
-
-
-def check_models(cfg: PPOConfig) -> tuple[PreTrainedTokenizerBase, PreTrainedTokenizerBase | None]:
-    """The actor's and the reward model's tokenizers, once the model directories are found usable
-    (a trained reward model, LoRA targets that exist, a model vLLM can run), before any model loads."""
-    tokenizer = load_tokenizer(cfg.actor.path, "actor.path", cfg.actor.trust_remote_code)
-    rm_tokenizer = None
-    if cfg.reward_model:
-        rm_tokenizer = load_tokenizer(cfg.reward_model.path, "reward_model.path")
-        check_reward_model(cfg.reward_model.path, "reward_model.path", cfg.reward_model.normalize)
-    check_lora_targets(cfg.actor.path, "actor.lora", cfg.actor.lora, False, cfg.actor.trust_remote_code)
-    check_lora_targets(cfg.critic_source().path, "critic.lora", cfg.critic.lora, True)
-    if cfg.rollout.sampler == "vllm":
-        check_vllm_can_run(cfg.actor.path, "actor.path", cfg.actor.trust_remote_code, cfg.rollout.tensor_parallel_size)
-    return tokenizer, rm_tokenizer
-
-
-def reward_components(cfg: PPOConfig) -> RewardComponents | None:
-    """The rewards section's components, their worker pool started and checked (functions import and
-    take their arguments, the server serves the components named), before any model loads."""
-    if not cfg.rewards.weights():
-        return None
-    components = RewardComponents(cfg.rewards, cfg.rollout.max_new_tokens)
-    try:
-        components.check()
-    except RewardsConfigError as e:
-        components.close()
-        raise RunRefused("config", f"{cfg._source}: {e}") from None
-    return components
 
 
 def ppo_iteration(
@@ -223,7 +172,7 @@ def main() -> int:
     )
     nonfinite, kl_guard = NonFiniteGuard(cfg.guards.max_nonfinite_in_a_row), KLGuard(cfg.guards.kl_ceiling)
     rollback = RollbackGuard(cfg.guards.rollback_drop, cfg.guards.rollback_min_drop, cfg.guards.max_rollbacks)
-    monitor = HackingMonitor(cfg.monitors.length_ratio_max, cfg.monitors.repeated_ngram_max, cfg.guards.kl_ceiling)
+    monitor = HackingMonitor(MonitorLimits.from_config(cfg))
     run.track("kl_controller", kl_ctl, rolls_back=True)
     for name, guard in (("nonfinite", nonfinite), ("kl_guard", kl_guard), ("monitor", monitor)):
         run.track(name, guard, rolls_back=False)
@@ -270,13 +219,13 @@ def main() -> int:
             scorer,
             sampling,
             cfg.ppo.max_tokens_per_micro_batch,
-            cfg.monitors.ngram,
+            (cfg.monitors.ngram, cfg.monitors.distinct_n),
             cfg.ppo.share_prompt,
         )
         if eval_prompts
         else None
     )
-    evaluate = partial(held_out_eval, evaluator, sampler, engines, monitor, run, cfg.monitors.sample_rows)
+    evaluate = partial(held_out_eval, evaluator, sampler, engines, run, cfg.monitors.sample_rows)
     per_rank, metrics = cfg.rollout.prompts_per_iteration // world, {}
     try:
         if evaluator:
@@ -284,6 +233,7 @@ def main() -> int:
         first_eval = evaluate() if evaluator and not run.resume_from else None
         if first_eval:
             run.logger.log(0, first_eval)
+            act_on_flags(monitor.check_evaluation(0, first_eval), monitor, run, "warn")
             run.first_evaluation(first_eval["eval/reward"])
         while run.step < iterations:
             # Data position is a function of the iteration: epoch, then the slice of its prompt order.
@@ -313,7 +263,6 @@ def main() -> int:
                 metrics["ppo/kl_per_token"], n_steps=cfg.rollout.prompts_per_iteration * cfg.rollout.samples_per_prompt
             )
             run.step += 1
-            monitor.record_train_score(metrics["ppo/score"])
             if kl_guard.exceeded(metrics["ppo/kl_per_token"]):
                 run.scale_lr(cfg.guards.kl_lr_factor)
                 run.event(
@@ -331,17 +280,21 @@ def main() -> int:
             evaluated = evaluator and (
                 (cfg.train.eval_every and run.step % cfg.train.eval_every == 0) or run.step == iterations
             )
+            flags = monitor.check_iteration(run.step, metrics)
             if evaluated:
                 metrics |= evaluate()
+                flags += monitor.check_evaluation(run.step, metrics)
             run.log(
                 metrics,
                 score=f"{metrics['ppo/score']:.3f}",
                 kl=f"{metrics['ppo/kl']:.4f}",
                 it_s=f"{metrics['timing/iteration_s']:.2f}",
             )
+            if act_on_flags(flags, monitor, run, cfg.monitors.action):
+                continue
             if evaluated and run.rolled_back(metrics["eval/reward"]):
                 continue
-            run.end_of_step(good=bool(evaluated))
+            run.end_of_step(good=bool(evaluated) and not monitor.active)  # a rollback target raises no flag
     except RunEnded as end:
         return run.finish(end.code, str(end))
     except RewardsUnavailable as e:  # raised before an update or after a whole iteration: a step boundary
@@ -349,7 +302,10 @@ def main() -> int:
             2, f"reward error: {e}\ncheckpoint {run.save()}; continue with the same command plus --resume"
         )
     save_hf_model(engines.actor, tokenizer, os.path.join(out, "actor"))
-    summary = f"ppo done: {iterations} iterations, last KL {metrics['ppo/kl_per_token']:.4f} per token"
+    summary = (
+        f"ppo {f'finished with {monitor.summary()};' if monitor.raised else 'done:'} {iterations} iterations, "
+        f"last KL {metrics['ppo/kl_per_token']:.4f} per token"
+    )
     if first_eval and "eval/reward" in metrics:
         summary += f"; {held_out_summary(first_eval, metrics)}"
     return run.finish(0, f"{summary}; actor saved to {out}/actor")

@@ -208,7 +208,7 @@ PLOTS: dict[str, tuple[Plot, ...]] = {
         Plot(
             "monitors.png",
             "Reward-hacking monitors",
-            _lines("eval/length_ratio", "eval/repeated_ngram_frac"),
+            _lines("eval/length_ratio", "eval/repeated_ngram_frac", "eval/distinct_ratio"),
             eval_only=True,
         ),
     ),
@@ -222,6 +222,19 @@ def expected_plots(run_dir: str) -> list[str]:
     return EXPECTED_PLOTS[run_kind(read_records(os.path.join(run_dir, "metrics.jsonl")))]
 
 
+def mark_flags(fig: Figure, events: Records) -> None:
+    """A shaded band on every axis over steps, from where each reward-hacking flag's check started
+    (the event's ``since``: the previous check) to its step."""
+    flags = [e for e in events if str(e.get("event", "")).startswith("monitor/") and finite(e.get("step"))]
+    label: str | None = "reward-hacking flag"  # once: the figure's legend gathers every axis' labels
+    for ax in (a for a in fig.axes if a.get_xlabel() == "step"):
+        for e in flags:
+            since = e.get("since")
+            start = min(float(since) if finite(since) else e["step"], e["step"] - 0.5)
+            ax.axvspan(start, e["step"], color="orange", alpha=0.2, label=label)
+            label = None
+
+
 def render_plots(run: Run, png_dir: str) -> list[tuple[Plot, str]]:
     """Saves every plot that has data; returns (plot, png path) pairs."""
     os.makedirs(png_dir, exist_ok=True)
@@ -230,6 +243,7 @@ def render_plots(run: Run, png_dir: str) -> list[tuple[Plot, str]]:
         fig = Figure(figsize=(9, 3.8), layout="constrained")
         FigureCanvasAgg(fig)
         if plot.draw(fig, run):
+            mark_flags(fig, run.events)
             fig.suptitle(plot.title)
             fig.legend(loc="outside right upper", fontsize="small")  # gathers every axis' labelled lines
             path = os.path.join(png_dir, plot.file)

@@ -7,7 +7,8 @@ accuracy of a math verifier), and compares the
 sampled one with the **reference policy's** sampled response to the same prompt: the win rate
 under the run's score (ties count half; 0.5 when the policy is the reference). It also measures the
 KL to the reference on the held-out responses and what the hacking monitors watch (length
-against the reference's, repeated n-grams). The reference responses are sampled once per run.
+against the reference's, repeated n-grams, distinct n-grams across prompts against the reference's).
+The reference responses are sampled once per run.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from engine.data.chat import prompt_ids
 from engine.data.prompts import Prompt
 from engine.models.lora import adapters_disabled
 from engine.ppo.forwards import sequence_logprobs
-from engine.ppo.monitors import HackingMonitor, repeated_ngrams
+from engine.ppo.monitors import distinct_share, repeated_ngrams
 from engine.ppo.rewards import RewardScorer
 from engine.rollout.sampler import HFSampler, Sample, SamplingSettings
 from engine.run import faults
@@ -64,15 +65,16 @@ class HeldOutEvaluator:
         scorer: RewardScorer,
         settings: SamplingSettings,
         max_tokens: int,
-        ngram: int,
+        ngrams: tuple[int, int],
         share_prompts: bool = True,
     ):
+        """``ngrams``: the n of the repeated n-gram and of the distinct n-gram measures."""
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         mine = prompts[rank::world]
         self.rank, self.messages, self.fields = rank, [p.messages for p in mine], [p.fields for p in mine]
         self.ids = [prompt_ids(tokenizer, m) for m in self.messages]
         self.tokenizer, self.scorer, self.settings = tokenizer, scorer, settings
-        self.max_tokens, self.ngram, self.share_prompts = max_tokens, ngram, share_prompts
+        self.max_tokens, (self.ngram, self.distinct_n), self.share_prompts = max_tokens, ngrams, share_prompts
         self.reference: Responses | None = None
 
     def respond(self, sampler, temperature: float, seed: int) -> Responses:
@@ -101,6 +103,12 @@ class HeldOutEvaluator:
             sampler.sync_weights(engines.ref.module)
             self.reference = self.respond(sampler, self.settings.temperature, REFERENCE_SEED)
         sampler.sync_weights(engines.actor.module)
+
+    def distinct_over_ranks(self, responses: Responses) -> float:
+        """:func:`engine.ppo.monitors.distinct_share` of the responses of every rank together."""
+        gathered: list[list[list[int]]] = [[] for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather_object(gathered, [s.response_ids for s in responses.samples])
+        return distinct_share([ids for part in gathered for ids in part], self.distinct_n)
 
     @torch.no_grad()
     def kl_to_reference(self, samples: list[Sample], actor, ref) -> torch.Tensor:
@@ -155,6 +163,7 @@ class HeldOutEvaluator:
             "ref_length": ref_length / n,
             "length_ratio": length / max(ref_length, 1.0),
             "repeated_ngram_frac": repeated / max(total, 1.0),
+            "distinct_ratio": self.distinct_over_ranks(sampled) / max(self.distinct_over_ranks(ref), 1e-9),
         }
         for i, (kind, name) in enumerate((kind, k) for kind in ("", "_greedy") for k in names):
             metrics[name.replace("reward/", f"reward{kind}/", 1)] = parts[i] / n
@@ -193,15 +202,12 @@ def held_out_eval(
     evaluator: HeldOutEvaluator,
     sampler,
     engines: HybridEngine,
-    monitor: HackingMonitor,
     run: RunLifecycle,
     sample_rows: int,
 ) -> dict[str, float]:
-    """Evaluate the current policy on the held-out prompts at iteration ``run.step``; log sample rows
-    and monitor flags. Returns the eval/* metrics."""
+    """Evaluate the current policy on the held-out prompts at iteration ``run.step``; log sample rows.
+    Returns the eval/* metrics."""
     result, rows = evaluator.evaluate(sampler, engines.actor, engines.ref, sample_rows)
     result["reward"] = faults.offset_eval_reward(result["reward"], run.step)
-    for kind, message in monitor.check_evaluation(result):
-        run.event(kind, message)
     run.logger.samples(run.step, rows)
     return {f"eval/{k}": v for k, v in result.items()}

@@ -15,6 +15,7 @@ import torch
 
 from engine.ppo.forwards import pad_right, sequence_logprobs, sequence_values
 from engine.ppo.losses import estimate_advantages, kl_penalty, masked_mean, token_rewards, truncated_is_weights
+from engine.ppo.monitors import within_prompt_diversity
 from engine.ppo.settings import ExperienceSettings
 
 if TYPE_CHECKING:
@@ -163,6 +164,9 @@ def make_experience(
         "kl": kl.sum(1).mean().item(),  # per sequence
         "response_length": mask.sum(1).float().mean().item(),
         "finished": sum(s.finished for s in samples) / len(samples),
+        "distinct_within_prompt": within_prompt_diversity(
+            [s.response_ids for s in samples], settings.group_size, settings.distinct_n
+        ),
         **{k: v.mean().item() for k, v in parts.items()},
     }
     if not old_logprobs_from_sampler:

@@ -74,6 +74,7 @@ class ExperienceSettings:
     tis_cap: float | None = None  # truncated importance weights of the policy loss (None: off)
     share_prompts: bool = True  # the samples of a prompt compute it once in each forward
     values_from_update: bool = False  # no critic forward: the first critic step computes the values
+    distinct_n: int = 2  # n of the rollout's distinct n-grams among a prompt's samples (a monitor)
 
     @classmethod
     def from_config(cls, cfg: PPOConfig, value_weights: torch.Tensor, values_from_update: bool) -> ExperienceSettings:
@@ -87,6 +88,7 @@ class ExperienceSettings:
             tis_cap=cfg.ppo.tis_cap,
             share_prompts=cfg.ppo.share_prompt,
             values_from_update=values_from_update,
+            distinct_n=cfg.monitors.distinct_n,
         )
 
 

@@ -90,13 +90,15 @@ class RollbackGuard(Stateful):
         self.best = reward if self.best is None else max(self.best, reward)
         return False
 
-    def count_rollback(self, reward: float, target: str | None) -> None:
-        """Record a rollback; raises TrainingAborted when none is left (or there is no target)."""
+    def drop_reason(self, reward: float) -> str:
+        return f"held-out reward fell to {reward:.4f} from a best of {self.best:.4f}"
+
+    def count_rollback(self, reason: str, target: str | None) -> None:
+        """Record a rollback for ``reason``; raises TrainingAborted when none is left (or there is no target)."""
         if target is None or self.rollbacks >= self.max_rollbacks:
             why = "no checkpoint to roll back to" if target is None else f"already rolled back {self.rollbacks} time(s)"
             raise TrainingAborted(
-                f"held-out reward fell to {reward:.4f} from a best of {self.best:.4f} and {why}; "
-                "lower the learning rate or raise the KL coefficient"
+                f"{reason} and {why}; lower the learning rate or raise the KL coefficient"
                 + (f" and restart from {target}" if target else "")
             )
         self.rollbacks += 1

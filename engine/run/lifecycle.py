@@ -264,14 +264,21 @@ class RunLifecycle:
             self.save(good=True)
 
     def rolled_back(self, reward: float) -> bool:
-        """After a held-out evaluation: on a drop below the best, restore the last good checkpoint
-        (engines, registered state that rolls back, RNGs) with the learning rate scaled by the
-        rollback factor, rewind the metrics to it, and return True (the loop continues from there)."""
+        """After a held-out evaluation: on a drop below the best, :meth:`roll_back` and return True
+        (the loop continues from there)."""
         if self.rollback is None or not self.rollback.is_drop(reward):
             return False
+        self.roll_back(self.rollback.drop_reason(reward))
+        return True
+
+    def roll_back(self, reason: str) -> None:
+        """Restore the last good checkpoint (engines, registered state that rolls back, RNGs) with the
+        learning rate scaled by the rollback factor and rewind the metrics to it; exit 3
+        (:class:`RunEnded`) when the rollback guard has none left."""
+        assert self.rollback is not None, "track_rollback first"
         at_step = self.step
         try:
-            self.rollback.count_rollback(reward, self.last_good)
+            self.rollback.count_rollback(reason, self.last_good)
         except TrainingAborted as e:
             self.event("rollback_give_up", str(e))
             raise RunEnded(3, f"training aborted: {e}") from None
@@ -288,15 +295,20 @@ class RunLifecycle:
         self.logger.rewind(self.step)
         self.event(
             "rollback",
-            f"held-out reward {reward:.4f} fell below the best {self.rollback.best:.4f}: rolled back to "
-            f"{self.last_good}, LR scale {new_scale:g} "
+            f"{reason}: rolled back to {self.last_good}, LR scale {new_scale:g} "
             f"(rollback {self.rollback.rollbacks} of {self.rollback.max_rollbacks})",
             step=at_step,
             to_step=self.step,
         )
         self.bar.reset(total=self.total_steps)
         self.bar.update(self.step)
-        return True
+
+    def stop_with_checkpoint(self, reason: str) -> None:
+        """Save a checkpoint of this step and end the run with exit 3 (:class:`RunEnded`)."""
+        path = self.save()
+        raise RunEnded(
+            3, f"stopped after {self.unit} {self.step}: {reason}; checkpoint {path} (--resume continues from it)"
+        )
 
     # --- the end -------------------------------------------------------------------------------
     def finish(self, code: int, message: str) -> int:

@@ -188,11 +188,45 @@ class PPOGuardsSection(GuardsSection):
 
 
 class MonitorSection(Config):
-    length_ratio_max: float = option(1.5, "flag when mean response length / the reference's exceeds this", gt=0)
+    action: Literal["warn", "rollback", "stop"] = option(
+        "warn",
+        "what a reward-hacking flag does: an event and the run's last line (warn), a rollback to the last good "
+        "evaluation (rollback; needs guards.rollback_drop), or a checkpoint and exit 3 (stop)",
+    )
+    length_ratio_max: float = option(
+        1.5, "flag when mean held-out response length / the reference's exceeds this", gt=0
+    )
+    length_ratio_min: float = option(
+        0.5, "flag when mean held-out response length / the reference's is below this", gt=0
+    )
     repeated_ngram_max: float = option(
-        0.3, "flag when the fraction of repeated n-grams in responses exceeds this", ge=0, le=1
+        0.3, "flag when the fraction of repeated n-grams in held-out responses exceeds this", ge=0, le=1
     )
     ngram: int = option(4, "n of the repeated n-gram monitor (in tokens)", ge=1)
+    entropy_min_share: float = option(
+        0.3, "flag when the rollout's policy entropy falls below this share of the first iteration's", ge=0, le=1
+    )
+    distinct_n: int = option(2, "n of the diversity monitors' distinct n-grams (in tokens)", ge=1)
+    diversity_min_share: float = option(
+        0.5,
+        "flag when distinct n-grams among a prompt's samples fall below this share of the first iteration's, or "
+        "across held-out responses below this share of the reference's",
+        ge=0,
+        le=1,
+    )
+    kl_per_token_max: float | None = option(
+        None,
+        "flag when the rollout's KL per token exceeds this (None: 4 x guards.kl_ceiling, else 4 x ppo.kl_target, "
+        "else 0.5)",
+        gt=0,
+    )
+    win_rate_drop: float = option(
+        0.05,
+        "flag when the training reward rose since the last evaluation while the held-out win rate fell by more "
+        "than this",
+        ge=0,
+        le=1,
+    )
     sample_rows: int = option(4, "held-out prompts whose responses go to samples.jsonl at each evaluation", ge=0)
 
 
@@ -227,6 +261,10 @@ class PPOConfig(Config):
         if self.guards.rollback_drop is not None and not (self.data.eval_prompts and self.train.eval_every):
             raise ConfigError(
                 "guards.rollback_drop needs data.eval_prompts and train.eval_every > 0 (the held-out reward it watches)"
+            )
+        if self.monitors.action == "rollback" and self.guards.rollback_drop is None:
+            raise ConfigError(
+                "monitors.action rollback returns to the last good evaluation, which guards.rollback_drop keeps: set it"
             )
         if self.reward_model is None and not self.rewards.weights():
             raise ConfigError("nothing to score responses with: set reward_model.path or a rewards component")
