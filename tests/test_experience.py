@@ -31,7 +31,9 @@ SETTINGS = ExperienceSettings(
 
 def engines(actor, critic, scorer) -> HybridEngine:
     """The models make_experience reads: the reference is the actor (the KL is zero)."""
-    return HybridEngine(actor=actor, critic=critic, ref=actor, reward_model=scorer.reward_model.model, keep_alive=None)
+    return HybridEngine(
+        actor=actor, critic=critic, ref=actor, reward_model=scorer.reward_model.model, judge=None, keep_alive=None
+    )
 
 
 @pytest.fixture(scope="module")

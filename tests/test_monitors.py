@@ -20,6 +20,7 @@ LIMITS = MonitorLimits(
     diversity_min_share=0.5,
     kl_per_token_max=0.2,
     win_rate_drop=0.05,
+    judge_disagreement=0.3,
 )
 MINIMAL = {"actor": {"path": "a"}, "reward_model": {"path": "r"}, "data": {"prompts": "p"}, "deepspeed": {}}
 
@@ -99,6 +100,16 @@ def test_a_collapsed_policy_is_flagged_at_its_iterations_and_evaluations():
     restored = HackingMonitor(LIMITS)
     restored.load_state_dict(monitor.state_dict())
     assert restored == monitor and restored.raised[-1] == ("diversity_collapse", 6)
+
+
+def test_a_judge_disagreeing_with_the_run_s_score_is_flagged():
+    monitor = HackingMonitor(LIMITS)
+    agree = held_out(REFERENCE, win_rate=0.8) | {"eval/judge_win_rate": 0.7}
+    assert monitor.check_evaluation(2, agree) == []
+    [flag] = monitor.check_evaluation(4, held_out(REFERENCE, win_rate=0.9) | {"eval/judge_win_rate": 0.2})
+    assert (
+        flag.kind == "monitor/judge_disagrees" and "0.900 under the run's score, 0.200 under the judge" in flag.message
+    )
 
 
 def test_the_kl_limit_follows_the_guard_or_the_controller():

@@ -1,8 +1,8 @@
 """Reward hacking is caught, not reported as success: PPO from the SFT policy against its reward
 model with no KL control and a high learning rate games the reward model within a few iterations;
 the collapse monitors flag it and, with ``monitors.action stop``, the run checkpoints and exits 3
-with the flags in its last line. (A default run raising no flag: tests/test_train_ppo.py's
-learning run.)"""
+with the flags in its last line; a judge the policy is not trained on disagrees with the reward
+model. (A default run raising no flag: tests/test_train_ppo.py's learning run.)"""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ def test_a_policy_gaming_its_reward_model_is_flagged_and_stopped_with_a_checkpoi
         train__eval_every=2,
         checkpoint__every_steps=0,
         monitors__action="stop",
+        judge__rewards={"length": {"target_tokens": 8}},  # a judge the policy is not trained on: brevity
     )
     result = launch("train_ppo.py", config, check=False)
     run = tmp_path / "run"
@@ -41,3 +42,9 @@ def test_a_policy_gaming_its_reward_model_is_flagged_and_stopped_with_a_checkpoi
     score = metric_series(run, "ppo/score")
     assert max(score) == stopped and score[stopped] > score[1]  # the reward model was pleased all along
     assert flags[0]["event"] in (run / "report.html").read_text()  # in its events table
+    # The judge scored the held-out responses at each evaluation, in total and per part, and
+    # disagreed: the reward model's win rate rose while the judge's fell.
+    judged = metric_series(run, "eval/judge_win_rate")
+    assert sorted(judged) == sorted(metric_series(run, "eval/judge_win_rate/length")) == [0, stopped]
+    assert "monitor/judge_disagrees" in {e["event"] for e in flags}
+    assert metric_series(run, "eval/win_rate")[stopped] - judged[stopped] > 0.3

@@ -210,6 +210,7 @@ def test_sigterm_stops_with_a_checkpoint_and_a_report(tiny_model_dir, rm_run, rm
         tmp_path / "run",
         checkpoint__every_steps=0,
         data__eval_prompts="",  # no held-out evaluation: this test reads the training metrics
+        rollout__sampler="hf",  # HF generate on the actor: vLLM starts in the runs that test it
     )
     proc = start_launched("train_ppo.py", config)
     wait_for_step(tmp_path / "run", 2, proc)

@@ -29,13 +29,13 @@ from engine.data.chat import prompt_ids
 from engine.data.errors import DataFileError
 from engine.data.prompts import Prompt
 from engine.models.deepspeed_glue import describe_engine, save_hf_model, training_ds_config
-from engine.ppo.engines import HybridEngine, build_hybrid_engine, build_sampler, critic_value_weights
+from engine.ppo.engines import HybridEngine, build_hybrid_engine, build_sampler, build_scorers, critic_value_weights
 from engine.ppo.evaluation import HeldOutEvaluator, held_out_eval, held_out_summary
 from engine.ppo.experience import OldLogprobSource, make_experience
 from engine.ppo.inputs import check_models, load_fitting_prompts, reward_components
 from engine.ppo.losses import AdaptiveKLController, FixedKLController
 from engine.ppo.monitors import HackingMonitor, MonitorLimits, act_on_flags
-from engine.ppo.rewards import RewardModelScorer, RewardScorer
+from engine.ppo.rewards import RewardScorer
 from engine.ppo.settings import ExperienceSettings, UpdateSettings
 from engine.ppo.update import global_token_count, update_on_rollout
 from engine.rewards.components import RewardsUnavailable
@@ -112,9 +112,12 @@ def main() -> int:
     cfg, run_args, rank, world = start_run(PPOConfig, __doc__.split("\n")[0])
     out = cfg.logging.output_dir
     ds_config = training_ds_config(cfg.deepspeed, cfg.actor.bf16)
-    tokenizer, rm_tokenizer = check_models(cfg)
+    tokenizers = check_models(cfg)
+    tokenizer = tokenizers.actor
     prompts = load_fitting_prompts(cfg.data.prompts, tokenizer, cfg, rank)
-    eval_prompts = load_fitting_prompts(cfg.data.eval_prompts, tokenizer, cfg, rank) if cfg.data.eval_prompts else []
+    eval_prompts = (
+        load_fitting_prompts(cfg.data.eval_prompts, tokenizer, cfg, rank, True) if cfg.data.eval_prompts else []
+    )
     per_epoch = len(prompts) // cfg.rollout.prompts_per_iteration  # iterations per pass over the prompts
     if per_epoch < 1:  # checked before the four models are loaded
         raise DataFileError(
@@ -151,20 +154,9 @@ def main() -> int:
     )
 
     engines = build_hybrid_engine(cfg, ds_config)
-    rm_scorer = (
-        RewardModelScorer(
-            engines.reward_model,
-            rm_tokenizer,
-            cfg.reward_model,
-            cfg.ppo.max_tokens_per_micro_batch,
-            cfg.ppo.share_prompt,
-        )
-        if cfg.reward_model and rm_tokenizer
-        else None
-    )
-    scorer = RewardScorer(rm_scorer, components, cfg.rewards)
+    scorers = build_scorers(cfg, engines, tokenizers, components)
     sampler = build_sampler(cfg, engines.actor, tokenizer, rank)
-    value_weights = critic_value_weights(cfg, rm_scorer)
+    value_weights = critic_value_weights(cfg, scorers.run.reward_model)
     kl_ctl = (
         AdaptiveKLController(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon)
         if cfg.ppo.kl_target is not None
@@ -183,7 +175,7 @@ def main() -> int:
     run.track("old_logprobs", old_logprobs, rolls_back=False)
     run.after_restore(partial(sampler.sync_weights, engines.actor.module))
     run.at_finish(sampler.close)
-    run.at_finish(scorer.close)
+    run.at_finish(scorers.close)
     run.start(
         engines={"actor": engines.actor} | ({"critic": engines.critic} if engines.critic is not None else {}),
         lr_engine=engines.actor,
@@ -216,7 +208,7 @@ def main() -> int:
         HeldOutEvaluator(
             eval_prompts,
             tokenizer,
-            scorer,
+            scorers,
             sampling,
             cfg.ppo.max_tokens_per_micro_batch,
             (cfg.monitors.ngram, cfg.monitors.distinct_n),
@@ -248,7 +240,7 @@ def main() -> int:
                 sampler,
                 sampling,
                 engines,
-                scorer,
+                scorers.run,
                 tokenizer,
                 experience,
                 update,

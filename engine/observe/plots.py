@@ -202,7 +202,7 @@ PLOTS: dict[str, tuple[Plot, ...]] = {
         Plot(
             "win_rate.png",
             "Win rate vs reference",
-            _lines("eval/win_rate", ylabel="win rate", hline=0.5),
+            _lines("eval/win_rate", "eval/judge_win_rate*", ylabel="win rate", hline=0.5),
             eval_only=True,
         ),
         Plot(

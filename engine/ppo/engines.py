@@ -8,6 +8,7 @@ the dry run (engine/run/dry_run.py) prices the same models.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -22,9 +23,12 @@ from engine.models.deepspeed_glue import (
 )
 from engine.models.loading import load_causal_lm, load_value_model
 from engine.models.lora import ReferenceView, add_adapters
-from engine.ppo.rewards import RewardModelScorer
+from engine.ppo.inputs import Tokenizers
+from engine.ppo.rewards import RewardModelScorer, RewardScorer, Scorers
+from engine.rewards.components import RewardComponents
 from engine.rollout.sampler import HFSampler, VLLMSampler
 from engine.run_config import PPOConfig
+from engine.run_config.rewards import RewardsSection
 
 
 class HybridEngine(NamedTuple):
@@ -34,6 +38,7 @@ class HybridEngine(NamedTuple):
     critic: Any  # trained; None with a critic-free advantage estimator
     ref: Any  # frozen: the actor's starting weights (LoRA: the actor with its adapters disabled)
     reward_model: Any  # frozen; None without a reward model (the score is the rewards section's)
+    judge: Any  # frozen: the judge's reward model (held-out evaluation only); None without one
     keep_alive: Any  # hold while the engines live (engine/models/deepspeed_glue.load_partitioned)
 
 
@@ -41,7 +46,7 @@ def build_hybrid_engine(cfg: PPOConfig, ds_config: dict) -> HybridEngine:
     """The run's models, partitioned as they load (ZeRO-3): the actor and the critic (a critic-free
     estimator: none) as training engines on the run's schedule, ``ppo_epochs x rollout batch /
     mini_batch_size`` optimizer steps per iteration; the reference (a LoRA actor: none, the actor
-    with its adapters off) and the reward model (when the run has one) frozen."""
+    with its adapters off), the reward model and the judge's (when the run has them) frozen."""
     model_kw: dict[str, Any] = dict(
         dtype=torch.bfloat16 if cfg.actor.bf16 else torch.float32,
         attn_implementation=cfg.actor.attn_implementation,
@@ -56,8 +61,10 @@ def build_hybrid_engine(cfg: PPOConfig, ds_config: dict) -> HybridEngine:
         if cfg.actor.lora.rank
         else load_partitioned(lambda: load_causal_lm(cfg.actor.path, **model_kw), ds_config)[0]
     )
-    rm = cfg.reward_model
-    reward_model = load_partitioned(lambda: load_value_model(rm.path, **model_kw), ds_config)[0] if rm else None
+    reward_model, judge = (
+        load_partitioned(partial(load_value_model, rm.path, **model_kw), ds_config)[0] if rm else None
+        for rm in (cfg.reward_model, cfg.judge.reward_model)
+    )
     critic: PreTrainedModel | PeftModel | None = None
     if cfg.has_critic():
         source = cfg.critic_source()
@@ -89,6 +96,7 @@ def build_hybrid_engine(cfg: PPOConfig, ds_config: dict) -> HybridEngine:
         critic=initialize_training_engine(critic, ds_config, lr=cfg.critic.lr, **optim) if critic is not None else None,
         ref=frozen_engine(ref, frozen_config) if ref is not None else ReferenceView(actor_engine),  # LoRA: adapters off
         reward_model=frozen_engine(reward_model, frozen_config) if reward_model is not None else None,
+        judge=frozen_engine(judge, frozen_config) if judge is not None else None,
         keep_alive=keep_alive,
     )
 
@@ -117,3 +125,25 @@ def build_sampler(cfg: PPOConfig, actor_engine, tokenizer, rank: int):
         sleep_between_rollouts=cfg.rollout.vllm_sleep,
         tensor_parallel_size=tp,
     )
+
+
+def build_scorers(
+    cfg: PPOConfig,
+    engines: HybridEngine,
+    tokenizers: Tokenizers,
+    components: tuple[RewardComponents | None, RewardComponents | None],
+) -> Scorers:
+    """The run's :class:`RewardScorer` (its reward model and rewards section) and the judge's (its
+    reward model and rewards components; None without a judge), on the run's engines."""
+    scorers = []
+    for section, rm, rm_engine, tokenizer, parts in (
+        (cfg.rewards, cfg.reward_model, engines.reward_model, tokenizers.reward_model, components[0]),
+        (cfg.judge.rewards, cfg.judge.reward_model, engines.judge, tokenizers.judge, components[1]),
+    ):
+        rm_scorer = (
+            RewardModelScorer(rm_engine, tokenizer, rm, cfg.ppo.max_tokens_per_micro_batch, cfg.ppo.share_prompt)
+            if rm is not None and tokenizer is not None
+            else None
+        )
+        scorers.append(RewardScorer(rm_scorer, parts, section or RewardsSection()))
+    return Scorers(scorers[0], scorers[1] if cfg.judge.active() else None)

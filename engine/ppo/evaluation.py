@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -24,7 +24,7 @@ from engine.data.prompts import Prompt
 from engine.models.lora import adapters_disabled
 from engine.ppo.forwards import sequence_logprobs
 from engine.ppo.monitors import distinct_share, repeated_ngrams
-from engine.ppo.rewards import RewardScorer
+from engine.ppo.rewards import RewardScorer, Scorers
 from engine.rollout.sampler import HFSampler, Sample, SamplingSettings
 from engine.run import faults
 from engine.run.distributed import all_reduce
@@ -41,6 +41,11 @@ def win_scores(policy: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     return (policy > reference).float() + 0.5 * (policy == reference).float()
 
 
+class Scored(NamedTuple):
+    total: torch.Tensor  # (n,)
+    parts: dict[str, torch.Tensor]  # reward/<name> -> (n,), failure shares left out
+
+
 @dataclass(frozen=True)
 class Responses:
     """One scored response per held-out prompt of this rank."""
@@ -49,6 +54,7 @@ class Responses:
     texts: list[str]
     rewards: torch.Tensor  # (n,)
     components: dict[str, torch.Tensor]  # the score's parts (reward/<name>), (n,) each
+    judged: Scored | None = None  # the judge's score, when asked for and the run has a judge
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -62,7 +68,7 @@ class HeldOutEvaluator:
         self,
         prompts: Sequence[Prompt],
         tokenizer,
-        scorer: RewardScorer,
+        scorers: Scorers,
         settings: SamplingSettings,
         max_tokens: int,
         ngrams: tuple[int, int],
@@ -73,23 +79,28 @@ class HeldOutEvaluator:
         mine = prompts[rank::world]
         self.rank, self.messages, self.fields = rank, [p.messages for p in mine], [p.fields for p in mine]
         self.ids = [prompt_ids(tokenizer, m) for m in self.messages]
-        self.tokenizer, self.scorer, self.settings = tokenizer, scorer, settings
+        self.tokenizer, self.scorer, self.judge, self.settings = tokenizer, scorers.run, scorers.judge, settings
         self.max_tokens, (self.ngram, self.distinct_n), self.share_prompts = max_tokens, ngrams, share_prompts
         self.reference: Responses | None = None
 
-    def respond(self, sampler, temperature: float, seed: int) -> Responses:
-        settings = SamplingSettings(1, temperature, self.settings.top_p, self.settings.max_new_tokens)
-        samples = [group[0] for group in sampler.generate(self.ids, settings, request_seed=seed + self.rank)]
-        texts = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
-        rewards, parts = self.scorer.score(
+    def score(self, scorer: RewardScorer, samples: list[Sample], texts: list[str]) -> Scored:
+        total, parts = scorer.score(
             self.messages,
             texts,
             [s.finished for s in samples],
             [len(s.response_ids) for s in samples],
             self.fields,
         )
-        components = {k: v for k, v in parts.items() if not k.endswith(("/errors", "/timeouts"))}
-        return Responses(samples, texts, rewards, components)
+        return Scored(total, {k: v for k, v in parts.items() if not k.endswith(("/errors", "/timeouts"))})
+
+    def respond(self, sampler, temperature: float, seed: int, judged: bool = False) -> Responses:
+        """This rank's responses, scored by the run (and by the judge when ``judged``)."""
+        settings = SamplingSettings(1, temperature, self.settings.top_p, self.settings.max_new_tokens)
+        samples = [group[0] for group in sampler.generate(self.ids, settings, request_seed=seed + self.rank)]
+        texts = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+        scored = self.score(self.scorer, samples, texts)
+        judge = self.score(self.judge, samples, texts) if judged and self.judge is not None else None
+        return Responses(samples, texts, scored.total, scored.parts, judge)
 
     def sample_reference(self, sampler, engines: HybridEngine) -> None:
         """Sample the reference policy's responses: with ``sampler`` loaded with the reference's
@@ -98,10 +109,10 @@ class HeldOutEvaluator:
             if isinstance(sampler, HFSampler):
                 pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
                 reference_sampler = HFSampler(engines.ref, pad_token_id=pad, eos_token_id=eos)
-                self.reference = self.respond(reference_sampler, self.settings.temperature, REFERENCE_SEED)
+                self.reference = self.respond(reference_sampler, self.settings.temperature, REFERENCE_SEED, judged=True)
                 return
             sampler.sync_weights(engines.ref.module)
-            self.reference = self.respond(sampler, self.settings.temperature, REFERENCE_SEED)
+            self.reference = self.respond(sampler, self.settings.temperature, REFERENCE_SEED, judged=True)
         sampler.sync_weights(engines.actor.module)
 
     def distinct_over_ranks(self, responses: Responses) -> float:
@@ -123,7 +134,7 @@ class HeldOutEvaluator:
     def evaluate(self, sampler, actor, ref, sample_rows: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """Held-out metrics averaged over all ranks, and example rows (rank 0's first prompts)."""
         assert self.reference is not None, "sample_reference first"
-        sampled = self.respond(sampler, self.settings.temperature, POLICY_SEED)
+        sampled = self.respond(sampler, self.settings.temperature, POLICY_SEED, judged=True)
         greedy = self.respond(sampler, 0.0, POLICY_SEED)
         kl = self.kl_to_reference(sampled.samples, actor, ref)
         repeated, total = map(sum, zip(*(repeated_ngrams(s.response_ids, self.ngram) for s in sampled.samples)))
@@ -164,7 +175,7 @@ class HeldOutEvaluator:
             "length_ratio": length / max(ref_length, 1.0),
             "repeated_ngram_frac": repeated / max(total, 1.0),
             "distinct_ratio": self.distinct_over_ranks(sampled) / max(self.distinct_over_ranks(ref), 1e-9),
-        }
+        } | judge_metrics(sampled.judged, ref.judged)
         for i, (kind, name) in enumerate((kind, k) for kind in ("", "_greedy") for k in names):
             metrics[name.replace("reward/", f"reward{kind}/", 1)] = parts[i] / n
         rows = (
@@ -183,6 +194,27 @@ class HeldOutEvaluator:
             else []
         )
         return metrics, rows
+
+
+def judge_metrics(policy: Scored | None, reference: Scored | None) -> dict[str, float]:
+    """The judge's mean score of the policy's held-out responses and its win rates against the
+    reference's, in total and per part (``judge_win_rate/<name>``), over all ranks; {} without a judge."""
+    if policy is None or reference is None:
+        return {}
+    names = sorted(policy.parts)
+    wins = [win_scores(policy.parts[k], reference.parts[k]).sum() for k in names]
+    sums = torch.stack(
+        [
+            torch.tensor(float(len(policy.total))),
+            policy.total.sum(),
+            win_scores(policy.total, reference.total).sum(),
+            *wins,
+        ]
+    ).double()
+    n, reward, win_rate, *part_wins = all_reduce(sums).tolist()
+    return {"judge_reward": reward / n, "judge_win_rate": win_rate / n} | {
+        f"judge_win_rate/{k.removeprefix('reward/')}": w / n for k, w in zip(names, part_wins)
+    }
 
 
 def held_out_summary(first: dict[str, float], last: dict[str, float]) -> str:

@@ -4,6 +4,8 @@ usable, and the rewards section's components with their workers started and chec
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from transformers import PreTrainedTokenizerBase
 
 from engine.data.prompts import Prompt, load_prompts, prompts_that_fit
@@ -12,18 +14,20 @@ from engine.rewards.components import RewardComponents, RewardsConfigError
 from engine.run.launch import RunRefused
 from engine.run.preflight import check_lora_targets, check_reward_model, check_vllm_can_run, load_tokenizer
 from engine.run_config import PPOConfig
+from engine.run_config.rewards import RewardsSection
 
 
-def load_fitting_prompts(path: str, tokenizer, cfg: PPOConfig, rank: int) -> list[Prompt]:
-    """The prompts of ``path``, with the columns the rewards read (the code reward's tests must parse),
-    that leave room for a response of rollout.max_new_tokens within a micro-batch and, with vLLM, its
-    context (the others are dropped and counted)."""
+def load_fitting_prompts(path: str, tokenizer, cfg: PPOConfig, rank: int, held_out: bool = False) -> list[Prompt]:
+    """The prompts of ``path``, with the columns the rewards read (``held_out``: the judge's too; the
+    code reward's tests must parse), that leave room for a response of rollout.max_new_tokens within
+    a micro-batch and, with vLLM, its context (the others are dropped and counted)."""
     room = min(
         cfg.ppo.max_tokens_per_micro_batch, cfg.rollout.vllm_max_model_len if cfg.rollout.sampler == "vllm" else 1 << 62
     )
-    prompts = load_prompts(path, cfg.rewards.fields())
-    if cfg.rewards.code:
-        check_column(path, cfg.rewards.code.field, [p.fields[cfg.rewards.code.field] for p in prompts])
+    judge = cfg.judge.rewards if held_out else None
+    prompts = load_prompts(path, cfg.rewards.fields() | (judge.fields("judge.rewards") if judge else {}))
+    for code in (c for c in (cfg.rewards.code, judge and judge.code) if c):
+        check_column(path, code.field, [p.fields[code.field] for p in prompts])
     prompts, dropped = prompts_that_fit(prompts, tokenizer, room - cfg.rollout.max_new_tokens)
     if dropped and rank == 0:
         print(
@@ -34,30 +38,48 @@ def load_fitting_prompts(path: str, tokenizer, cfg: PPOConfig, rank: int) -> lis
     return prompts
 
 
-def check_models(cfg: PPOConfig) -> tuple[PreTrainedTokenizerBase, PreTrainedTokenizerBase | None]:
-    """The actor's and the reward model's tokenizers, once the model directories are found usable
-    (a trained reward model, LoRA targets that exist, a model vLLM can run), before any model loads."""
+class Tokenizers(NamedTuple):
+    actor: PreTrainedTokenizerBase
+    reward_model: PreTrainedTokenizerBase | None  # None without a reward model
+    judge: PreTrainedTokenizerBase | None  # the judge's reward model's, None without one
+
+
+def check_models(cfg: PPOConfig) -> Tokenizers:
+    """The models' tokenizers, once the model directories are found usable (trained reward models,
+    LoRA targets that exist, a model vLLM can run), before any model loads."""
     tokenizer = load_tokenizer(cfg.actor.path, "actor.path", cfg.actor.trust_remote_code)
-    rm_tokenizer = None
-    if cfg.reward_model:
-        rm_tokenizer = load_tokenizer(cfg.reward_model.path, "reward_model.path")
-        check_reward_model(cfg.reward_model.path, "reward_model.path", cfg.reward_model.normalize)
+    reward_tokenizers = []
+    for key, rm in (("reward_model", cfg.reward_model), ("judge.reward_model", cfg.judge.reward_model)):
+        reward_tokenizers.append(load_tokenizer(rm.path, f"{key}.path") if rm else None)
+        if rm:
+            check_reward_model(rm.path, f"{key}.path", rm.normalize)
     check_lora_targets(cfg.actor.path, "actor.lora", cfg.actor.lora, False, cfg.actor.trust_remote_code)
     check_lora_targets(cfg.critic_source().path, "critic.lora", cfg.critic.lora, True)
     if cfg.rollout.sampler == "vllm":
         check_vllm_can_run(cfg.actor.path, "actor.path", cfg.actor.trust_remote_code, cfg.rollout.tensor_parallel_size)
-    return tokenizer, rm_tokenizer
+    return Tokenizers(tokenizer, *reward_tokenizers)
 
 
-def reward_components(cfg: PPOConfig) -> RewardComponents | None:
-    """The rewards section's components, their worker pool started and checked (functions import and
-    take their arguments, the server serves the components named), before any model loads."""
-    if not cfg.rewards.weights():
+def started_components(cfg: PPOConfig, section: RewardsSection | None) -> RewardComponents | None:
+    """A rewards section's components, their worker pool started and checked (functions import and
+    take their arguments, the server serves the components named); None without components."""
+    if section is None or not section.weights():
         return None
-    components = RewardComponents(cfg.rewards, cfg.rollout.max_new_tokens)
+    components = RewardComponents(section, cfg.rollout.max_new_tokens)
     try:
         components.check()
     except RewardsConfigError as e:
         components.close()
         raise RunRefused("config", f"{cfg._source}: {e}") from None
     return components
+
+
+def reward_components(cfg: PPOConfig) -> tuple[RewardComponents | None, RewardComponents | None]:
+    """The started components of the rewards section and of the judge's, before any model loads."""
+    rewards = started_components(cfg, cfg.rewards)
+    try:
+        return rewards, started_components(cfg, cfg.judge.rewards)
+    except RunRefused:
+        if rewards is not None:
+            rewards.close()
+        raise

@@ -7,7 +7,8 @@ Two kinds of check, with the thresholds of the config's ``monitors`` section:
   level (:meth:`MonitorLimits.from_config`);
 * at each held-out evaluation: response length against the reference's, in both directions;
   repeated n-grams; distinct n-grams across prompts against the reference's; the training reward
-  rising while the held-out win rate against the reference falls.
+  rising while the held-out win rate against the reference falls; the judge (scores the policy is
+  not trained on) disagreeing with the run's score about that win rate.
 
 A flag is raised when its condition starts to hold, not again while it keeps holding. What a
 flag does (``monitors.action``: warn, rollback, stop) is train/train_ppo.py's to apply.
@@ -64,6 +65,7 @@ class MonitorLimits:
     diversity_min_share: float
     kl_per_token_max: float
     win_rate_drop: float
+    judge_disagreement: float
 
     @classmethod
     def from_config(cls, cfg: PPOConfig) -> MonitorLimits:
@@ -80,6 +82,7 @@ class MonitorLimits:
             m.diversity_min_share,
             kl_max,
             m.win_rate_drop,
+            m.judge_disagreement,
         )
 
 
@@ -171,6 +174,8 @@ class HackingMonitor:
         limits, ratio = self.limits, evaluation["length_ratio"]
         repeated, distinct = evaluation["repeated_ngram_frac"], evaluation["distinct_ratio"]
         win_rate, last_win, last_reward = evaluation["win_rate"], self.last_win_rate, self.last_train_reward
+        judge = evaluation.get("judge_win_rate")  # with a judge
+        disagree = judge is not None and win_rate - judge > limits.judge_disagreement
         hacked = (
             train_reward is not None
             and last_reward is not None
@@ -195,6 +200,10 @@ class HackingMonitor:
             "reward_up_win_rate_down": f"training reward rose {last_reward:.3f} -> {train_reward:.3f} while the "
             f"held-out win rate fell {last_win:.3f} -> {win_rate:.3f}"
             if hacked
+            else None,
+            "judge_disagrees": f"held-out win rate vs the reference {win_rate:.3f} under the run's score, {judge:.3f} "
+            f"under the judge (limit {limits.judge_disagreement} apart)"
+            if disagree
             else None,
         }
         if train_reward is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -138,3 +138,15 @@ class RewardScorer:
     def close(self) -> None:
         if self.components is not None:
             self.components.close()
+
+
+class Scorers(NamedTuple):
+    """The run's score, and the judge's: held-out scores the policy is not trained on."""
+
+    run: RewardScorer
+    judge: RewardScorer | None
+
+    def close(self) -> None:
+        for scorer in self:
+            if scorer is not None:
+                scorer.close()

@@ -227,7 +227,20 @@ class MonitorSection(Config):
         ge=0,
         le=1,
     )
+    judge_disagreement: float = option(
+        0.3, "flag when the held-out win rate under the run's score exceeds the judge's by more than this", ge=0, le=1
+    )
     sample_rows: int = option(4, "held-out prompts whose responses go to samples.jsonl at each evaluation", ge=0)
+
+
+class JudgeSection(Config):
+    reward_model: RewardModelSection | None = option(
+        None, "a second reward model the policy is not trained on (e.g. train_rm.py on a disjoint split)"
+    )
+    rewards: RewardsSection | None = option(None, "rule or verifier components, as in the rewards section")
+
+    def active(self) -> bool:
+        return self.reward_model is not None or bool(self.rewards and self.rewards.weights())
 
 
 class CriticSource(NamedTuple):
@@ -254,6 +267,7 @@ class PPOConfig(Config):
     checkpoint: CheckpointSection = section(CheckpointSection, "resumable checkpoints (every_steps counts iterations)")
     guards: PPOGuardsSection = section(PPOGuardsSection, "training guards: NaN steps, KL ceiling, rollback")
     monitors: MonitorSection = section(MonitorSection, "reward-hacking monitors on held-out responses")
+    judge: JudgeSection = section(JudgeSection, "held-out scores the policy is not trained on (a reward-hacking check)")
     logging: LoggingSection = section(LoggingSection, "where and how to log")
 
     def check(self) -> None:
@@ -266,6 +280,8 @@ class PPOConfig(Config):
             raise ConfigError(
                 "monitors.action rollback returns to the last good evaluation, which guards.rollback_drop keeps: set it"
             )
+        if self.judge.active() and not self.data.eval_prompts:
+            raise ConfigError("judge scores held-out responses: set data.eval_prompts")
         if self.reward_model is None and not self.rewards.weights():
             raise ConfigError("nothing to score responses with: set reward_model.path or a rewards component")
         if self.has_critic() and self.critic.init_from == "reward_model" and self.reward_model is None:

@@ -101,12 +101,13 @@ class RewardsSection(Config):
         weights |= {name: fn.weight for name, fn in self.functions.items()}
         return weights | ({f"remote_{c}": w for c, w in self.remote.components.items()} if self.remote else {})
 
-    def fields(self) -> dict[str, str]:
-        """The prompt-data columns the components read -> the (first) config key naming each."""
-        wanted = [("rewards.math.field", self.math.field)] if self.math else []
-        wanted += [("rewards.code.field", self.code.field)] if self.code else []
-        wanted += [(f"rewards.functions.{name}.fields", f) for name, fn in self.functions.items() for f in fn.fields]
-        wanted += [("rewards.remote.fields", f) for f in self.remote.fields] if self.remote else []
+    def fields(self, prefix: str = "rewards") -> dict[str, str]:
+        """The prompt-data columns the components read -> the (first) config key naming each
+        (``prefix``: where this section sits in the config)."""
+        wanted = [(f"{prefix}.math.field", self.math.field)] if self.math else []
+        wanted += [(f"{prefix}.code.field", self.code.field)] if self.code else []
+        wanted += [(f"{prefix}.functions.{name}.fields", f) for name, fn in self.functions.items() for f in fn.fields]
+        wanted += [(f"{prefix}.remote.fields", f) for f in self.remote.fields] if self.remote else []
         readers: dict[str, str] = {}
         for key, column in wanted:
             readers.setdefault(column, key)
