@@ -388,7 +388,8 @@ def test_actor_loss_settings_change_the_actor_update_only(tiny_model_dir, rm_run
 
 
 def test_zero2_with_replicated_frozen_models_and_lora(tiny_model_dir, rm_run, rm_data, tmp_path):
-    """ZeRO-2 (replicated weights) with LoRA actor and critic: merged sync, export of both forms."""
+    """ZeRO-2 (replicated weights) with LoRA actor and critic: merged sync, export of both forms. The
+    judge is the run's own reward model, scored as the run scores it: its win rates are the run's."""
     rm_root, _ = rm_run
     config = write_ppo_config(
         tmp_path / "ppo.json",
@@ -402,6 +403,8 @@ def test_zero2_with_replicated_frozen_models_and_lora(tiny_model_dir, rm_run, rm
         train__iterations=2,
         train__eval_every=0,
         checkpoint__every_steps=0,
+        judge__reward_model={"path": str(rm_root / "run" / "model")},
+        judge__rewards={"clip": 5.0},
     )
     launch("train_ppo.py", config, "--deepspeed", "tiny_cpu_zero2.json", "--guards.kl_ceiling", "1e-9")
     gap = metric_series(tmp_path / "run", "ppo/sampler_logprob_gap")
@@ -415,6 +418,9 @@ def test_zero2_with_replicated_frozen_models_and_lora(tiny_model_dir, rm_run, rm
         (2, "monitor/kl_high"),
     ]
     assert metric_series(tmp_path / "run", "ppo/actor_lr") == {1: 3e-3, 2: 1.5e-3}
+    judged = metric_series(tmp_path / "run", "eval/judge_win_rate")
+    assert judged == metric_series(tmp_path / "run", "eval/win_rate") and sorted(judged) == [0, 2]
+    assert sorted(metric_series(tmp_path / "run", "eval/judge_win_rate/rm_helpful")) == [0, 2]
 
 
 @pytest.mark.parametrize(
