@@ -115,8 +115,14 @@ def write_config(root: Path, tiny_model_dir: Path, port: int, out: str, **reward
 
 
 def test_the_plan_without_a_reward_model(setup, tiny_model_dir, capsys):
+    """... and with a judge of rule components, which it names."""
     root, port, _ = setup
-    cfg = load_config(PPOConfig, str(write_config(root, tiny_model_dir, port, "planned")))
+    path = write_config(root, tiny_model_dir, port, "planned")
+    config = json.loads(path.read_text())
+    config["data"]["eval_prompts"] = config["data"]["prompts"]
+    config["judge"] = {"rewards": {"format": {"pattern": "e"}, "length": {"target_tokens": 8}}}
+    path.write_text(json.dumps(config))
+    cfg = load_config(PPOConfig, str(path))
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = load_prompts(cfg.data.prompts, cfg.rewards.fields())
     assert ppo_plan(cfg, prompts, [], tokenizer, training_ds_config(cfg.deepspeed, False), 1) == 0
@@ -126,6 +132,7 @@ def test_the_plan_without_a_reward_model(setup, tiny_model_dir, capsys):
         "score: 1 x math + 0.5 x length + 0.5 x grounded + 0.2 x picky + 1 x remote_format, clipped to +-10; "
         "2 reward worker(s) per rank" in plan
     ), plan
+    assert "judge: format, length (held-out responses only)" in plan
 
 
 def test_a_run_on_reward_components_stops_cleanly_when_the_server_goes_down(setup, tiny_model_dir):

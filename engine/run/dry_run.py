@@ -238,6 +238,7 @@ def ppo_plan(cfg, prompts: list, eval_prompts: list, tokenizer, ds_config: dict[
             *critic,
             *reference,
             *([("reward model", cfg.reward_model.path, True, None, False)] if cfg.reward_model else []),
+            *([("judge", cfg.judge.reward_model.path, True, None, False)] if cfg.judge.reward_model else []),
         ],
         ds_config,
         world,
@@ -260,6 +261,11 @@ def ppo_plan(cfg, prompts: list, eval_prompts: list, tokenizer, ds_config: dict[
     if r.sampler == "vllm":
         print(f"  vLLM sampler: {vllm_memory(cfg, world)}")
     print(f"score: {score_terms(cfg)}")
+    if cfg.judge.active():
+        judged = ["reward model"] * bool(cfg.judge.reward_model) + list(
+            cfg.judge.rewards.weights() if cfg.judge.rewards else {}
+        )
+        print(f"judge: {', '.join(judged)} (held-out responses only)")
     return 0
 
 
