@@ -19,8 +19,7 @@ from engine.ppo.forwards import micro_batches, response_logprobs, response_value
 from engine.ppo.rewards import RewardModelScorer, RewardScorer
 from engine.ppo.settings import ExperienceSettings, GaeSettings
 from engine.rollout.sampler import Sample
-from engine.run_config.ppo import RewardModelSection
-from engine.run_config.rewards import RewardsSection
+from engine.run_config.rewards import RewardModelSection, RewardsSection
 
 PROMPT_LENS, RESPONSE_LENS = [6, 3, 9, 4], [5, 8, 2, 6]
 # k1 KL, undiscounted GAE with lam = 1 (every return is the score), whitened; micro-batches of 24 tokens

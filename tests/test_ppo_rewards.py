@@ -16,8 +16,7 @@ from engine.ppo.rewards import RewardModelScorer, RewardScorer
 from engine.rewards.components import RewardComponents, RewardsConfigError, RewardsUnavailable
 from engine.rewards.pool import Call, RewardPool
 from engine.rewards.verifiers import final_answer, length_penalty, math_reward
-from engine.run_config.ppo import RewardModelSection
-from engine.run_config.rewards import RewardsSection
+from engine.run_config.rewards import RewardModelSection, RewardsSection
 
 USER_FUNCTIONS = """
 import os, time

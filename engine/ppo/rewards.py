@@ -20,8 +20,7 @@ from engine.data.packing import last_token, packed_forward
 from engine.ppo.forwards import map_micro_batches
 from engine.rewards.components import ComponentScores, RewardComponents, RewardsUnavailable, ScoringBatch
 from engine.run.distributed import all_reduce
-from engine.run_config.ppo import RewardModelSection
-from engine.run_config.rewards import RewardsSection
+from engine.run_config.rewards import RewardModelSection, RewardsSection
 
 
 class RewardModelScorer:

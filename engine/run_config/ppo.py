@@ -3,9 +3,7 @@ and monitor sections, and the cross-field rules between them."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple
-
-from pydantic import model_validator
+from typing import Literal, NamedTuple
 
 from engine.config import Config, ConfigError, DeepSpeedDict, option, required, section
 from engine.run_config.common import (
@@ -18,7 +16,8 @@ from engine.run_config.common import (
     OptimSection,
     resolve_deepspeed_dtype,
 )
-from engine.run_config.rewards import RewardsSection
+from engine.run_config.monitors import JudgeSection, MonitorSection
+from engine.run_config.rewards import RewardModelSection, RewardsSection
 
 # The names PPO's formulas take (engine/ppo/losses.py), defined once here where the config offers them.
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -29,21 +28,6 @@ class PolicySection(ModelSection):
     lora: LoraSection = section(
         LoraSection, "LoRA adapters: only they are trained and checkpointed; the reference is the actor with them off"
     )
-
-
-class RewardModelSection(Config):
-    path: str = required("reward model directory (output of train_rm.py: model/)")
-    weight: float = option(1.0, "weight of the reward model's (normalised) total in the score")
-    normalize: bool = option(True, "standardise the score with the model's reward_stats.json mean/std")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _moved_keys(cls, data: Any) -> Any:
-        moved = {"rules": "rewards.functions (name -> {function, weight})", "clip": "rewards.clip"}
-        moved["no_eos_penalty"] = "rewards.no_eos_penalty"
-        for key in moved.keys() & (data.keys() if isinstance(data, dict) else set()):
-            raise ConfigError(f"reward_model.{key} moved to {moved[key]}")
-        return data
 
 
 class CriticSection(Config):
@@ -185,62 +169,6 @@ class PPOGuardsSection(GuardsSection):
     )
     rollback_lr_factor: float = option(0.5, "multiply the actor LR by this after a rollback", gt=0, le=1)
     max_rollbacks: int = option(2, "give up (exit 3) at the drop after this many rollbacks", ge=0)
-
-
-class MonitorSection(Config):
-    action: Literal["warn", "rollback", "stop"] = option(
-        "warn",
-        "what a reward-hacking flag does: an event and the run's last line (warn), a rollback to the last good "
-        "evaluation (rollback; needs guards.rollback_drop), or a checkpoint and exit 3 (stop)",
-    )
-    length_ratio_max: float = option(
-        1.5, "flag when mean held-out response length / the reference's exceeds this", gt=0
-    )
-    length_ratio_min: float = option(
-        0.5, "flag when mean held-out response length / the reference's is below this", gt=0
-    )
-    repeated_ngram_max: float = option(
-        0.3, "flag when the fraction of repeated n-grams in held-out responses exceeds this", ge=0, le=1
-    )
-    ngram: int = option(4, "n of the repeated n-gram monitor (in tokens)", ge=1)
-    entropy_min_share: float = option(
-        0.3, "flag when the rollout's policy entropy falls below this share of the first iteration's", ge=0, le=1
-    )
-    distinct_n: int = option(2, "n of the diversity monitors' distinct n-grams (in tokens)", ge=1)
-    diversity_min_share: float = option(
-        0.5,
-        "flag when distinct n-grams among a prompt's samples fall below this share of the first iteration's, or "
-        "across held-out responses below this share of the reference's",
-        ge=0,
-        le=1,
-    )
-    kl_per_token_max: float | None = option(
-        None,
-        "flag when the rollout's KL per token exceeds this (None: 4 x guards.kl_ceiling, else 4 x ppo.kl_target, "
-        "else 0.5)",
-        gt=0,
-    )
-    win_rate_drop: float = option(
-        0.05,
-        "flag when the training reward rose since the last evaluation while the held-out win rate fell by more "
-        "than this",
-        ge=0,
-        le=1,
-    )
-    judge_disagreement: float = option(
-        0.3, "flag when the held-out win rate under the run's score exceeds the judge's by more than this", ge=0, le=1
-    )
-    sample_rows: int = option(4, "held-out prompts whose responses go to samples.jsonl at each evaluation", ge=0)
-
-
-class JudgeSection(Config):
-    reward_model: RewardModelSection | None = option(
-        None, "a second reward model the policy is not trained on (e.g. train_rm.py on a disjoint split)"
-    )
-    rewards: RewardsSection | None = option(None, "rule or verifier components, as in the rewards section")
-
-    def active(self) -> bool:
-        return self.reward_model is not None or bool(self.rewards and self.rewards.weights())
 
 
 class CriticSource(NamedTuple):

@@ -3,9 +3,9 @@ reward model (built-in verifiers, reward functions, a reward server), and how th
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from engine.config import Config, ConfigError, option, required
 
@@ -117,3 +117,18 @@ class RewardsSection(Config):
         clash = sorted(set(self.functions) & {"math", "code", "format", "length"})
         if clash:
             raise ConfigError(f"functions {clash} have a built-in component's name: rename them")
+
+
+class RewardModelSection(Config):
+    path: str = required("reward model directory (output of train_rm.py: model/)")
+    weight: float = option(1.0, "weight of the reward model's (normalised) total in the score")
+    normalize: bool = option(True, "standardise the score with the model's reward_stats.json mean/std")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        moved = {"rules": "rewards.functions (name -> {function, weight})", "clip": "rewards.clip"}
+        moved["no_eos_penalty"] = "rewards.no_eos_penalty"
+        for key in moved.keys() & (data.keys() if isinstance(data, dict) else set()):
+            raise ConfigError(f"reward_model.{key} moved to {moved[key]}")
+        return data
