@@ -10,6 +10,7 @@ import torch
 from engine.ppo.losses import (
     AdaptiveKLController,
     FixedKLController,
+    aggregation_weights,
     clipped_policy_loss,
     clipped_value_loss,
     dual_clip_policy_loss,
@@ -171,6 +172,22 @@ def test_grpo_standardises_within_each_prompts_group_by_hand():
         [[-half, -half, 0], [half, half, half], [0, 0, 0], [0, 0, 0]]
     )  # an all-equal group: no signal
     assert torch.allclose(advantages, expected, atol=1e-5)
+    # Dr. GRPO: the mean subtracted, no division by the std ([1, 3] -> -1, +1)
+    dr = grpo_advantages(torch.tensor([1.0, 3.0, 2.0, 2.0]), 2, mask, scale_by_std=False)
+    assert torch.equal(dr, torch.tensor([[-1.0, -1.0, 0], [1.0, 1.0, 1.0], [0, 0, 0], [0, 0, 0]]))
+
+
+def test_loss_aggregations_by_hand():
+    """Two sequences of 1 and 3 response tokens (4 tokens, 2 sequences in the whole mini-batch)."""
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    weights = lambda how: aggregation_weights(mask, how, sequences=2, tokens=4, norm_tokens=8)
+    assert torch.equal(weights("token_mean"), torch.tensor([[0.25, 0, 0], [0.25, 0.25, 0.25]]))
+    # each sequence counts half, spread over its own tokens: the short one's token weighs 3x
+    assert torch.allclose(weights("seq_mean_token_mean"), torch.tensor([[0.5, 0, 0], [1 / 6, 1 / 6, 1 / 6]]))
+    assert torch.equal(weights("seq_mean_token_sum_norm"), torch.full((2, 3), 1 / 16) * mask)
+    loss = torch.tensor([[4.0, 9.0, 9.0], [1.0, 2.0, 3.0]])  # the padding's 9s never count
+    assert [(loss * weights(how)).sum().item() for how in ("token_mean", "seq_mean_token_mean")] == [2.5, 3.0]
+    assert (loss * weights("seq_mean_token_sum_norm")).sum().item() == pytest.approx(10 / 16)
 
 
 def test_rloo_subtracts_the_mean_of_the_other_samples_by_hand():

@@ -14,7 +14,7 @@ from engine.config import DS_CONFIGS_DIR
 from engine.data.batching import token_mean_scale
 from engine.ppo.experience import Experience
 from engine.ppo.forwards import pad_right, sequence_values
-from engine.ppo.losses import estimate_advantages, kl_penalty
+from engine.ppo.losses import aggregation_weights, estimate_advantages, kl_penalty
 from engine.ppo.settings import GaeSettings, PolicyLossSettings, UpdateSettings
 from engine.ppo.update import actor_step, actor_token_loss, critic_step, update_on_rollout
 
@@ -63,19 +63,21 @@ def random_experience(vocab: int, seed: int = 0) -> Experience:
     )
 
 
-def test_actor_loss_is_a_token_mean_over_the_mini_batch_whatever_the_split():
-    """OpenRLHF-style fake ranks: each rank scales its micro-batch sums by token_mean_scale(global
-    tokens, world) and DeepSpeed averages the ranks' gradients; the result is the gradient of the
-    full mini-batch's token-mean, for any cut into ranks and micro-batches."""
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_actor_loss_aggregates_the_mini_batch_whatever_the_split(aggregation):
+    """OpenRLHF-style fake ranks: each rank weighs its micro-batches' per-token losses by
+    aggregation_weights(global sequences and tokens) times the world size, and DeepSpeed averages
+    the ranks' gradients; the result is the gradient of the full mini-batch's aggregated loss (the
+    policy surrogate, the KL loss and the entropy bonus alike), for any cut into ranks and micro-batches."""
     exp = random_experience(vocab=50)
     g = torch.Generator().manual_seed(1)
     new_logprobs = (exp.old_logprobs + 0.3 * torch.randn(exp.mask.shape, generator=g) * exp.mask).requires_grad_()
     entropy = (torch.rand(exp.mask.shape, generator=g) * exp.mask).requires_grad_()
-    mask = exp.mask.float()
-    N = int(exp.mask.sum())
+    S, N = exp.mask.shape[0], int(exp.mask.sum())
+    weights = lambda mask: aggregation_weights(mask, aggregation, sequences=S, tokens=N, norm_tokens=12)
 
     per_token = actor_token_loss(new_logprobs, entropy, exp, SETTINGS).per_token
-    ((per_token * mask).sum() / N).backward()
+    (per_token * weights(exp.mask)).sum().backward()
     want = new_logprobs.grad.clone(), entropy.grad.clone()
 
     # 3 ranks with uneven shares, cut into micro-batches of 1-3 sequences.
@@ -86,12 +88,15 @@ def test_actor_loss_is_a_token_mean_over_the_mini_batch_whatever_the_split():
         for micro in rank:
             mb, rows = exp.select(micro), torch.tensor(micro)
             per_token = actor_token_loss(new_logprobs[rows], entropy[rows], mb, SETTINGS).per_token
-            ((per_token * mb.mask.float()).sum() * token_mean_scale(N, len(ranks))).backward()
+            ((per_token * weights(mb.mask)).sum() * len(ranks)).backward()
         grads[0].add_(new_logprobs.grad / len(ranks))  # DeepSpeed's gradient all-reduce averages over ranks
         grads[1].add_(entropy.grad / len(ranks))
     torch.testing.assert_close(grads[0], want[0], atol=1e-7, rtol=1e-6)
     torch.testing.assert_close(grads[1], want[1], atol=1e-7, rtol=1e-6)
-    assert want[1][exp.mask].allclose(torch.tensor(-SETTINGS.entropy_coef / N))  # the entropy bonus is in the loss
+    entropy_grad = -SETTINGS.entropy_coef * weights(exp.mask)[exp.mask]
+    assert want[1][exp.mask].allclose(entropy_grad)  # the entropy bonus is in the loss, aggregated alike
+    if aggregation == "token_mean":  # the token mean of the critic's loss, too (engine/data/batching.py)
+        assert weights(exp.mask)[exp.mask].allclose(torch.tensor(token_mean_scale(N, 1)))
 
 
 def test_each_setting_changes_its_term_of_the_actor_loss():
@@ -180,15 +185,19 @@ def test_zero3_fetches_whole_decoder_layers_and_steps_as_zero2(deepspeed_ready, 
     assert diff.mean() < 1e-9 and diff.max() < 1e-4
 
 
-@pytest.mark.parametrize("max_tokens", [14, 24])
-def test_real_steps_do_not_depend_on_the_micro_batch_budget(deepspeed_ready, tiny_model_dir, max_tokens):
+@pytest.mark.parametrize(
+    "max_tokens, aggregation",
+    [(14, "token_mean"), (24, "token_mean"), (14, "seq_mean_token_mean"), (14, "seq_mean_token_sum_norm")],
+)
+def test_real_steps_do_not_depend_on_the_micro_batch_budget(deepspeed_ready, tiny_model_dir, max_tokens, aggregation):
     """actor_step and critic_step on real DeepSpeed engines: one micro-batch, or many of at most
-    ``max_tokens`` tokens, give the same update and the same statistics."""
+    ``max_tokens`` tokens, give the same update and the same statistics, for each loss aggregation."""
     results = []
+    policy = replace(SETTINGS, aggregation=aggregation, norm_tokens=12)
     for budget in (1000, max_tokens):
         actor, critic = make_engines(tiny_model_dir, seed=0)
         exp = random_experience(actor.module.config.vocab_size)
-        stats = actor_step(actor, exp, update_settings(budget), iteration=0)
+        stats = actor_step(actor, exp, update_settings(budget, policy=policy), iteration=0)
         stats |= critic_step(critic, exp, update_settings(budget))
         # The gradient norm (before clipping) shows the loss scale; Adam's first step hides it.
         stats |= {

@@ -139,6 +139,7 @@ def make_experience(
             settings.group_size,
             settings.gae.whiten,
             group=torch.distributed.group.WORLD,
+            grpo_std_scaling=settings.grpo_std_scaling,
         )
     )
     tis_cap = settings.tis_cap

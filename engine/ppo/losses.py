@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from engine.run.distributed import all_reduce
-from engine.run_config import AdvantageEstimator, KLEstimator
+from engine.run_config import AdvantageEstimator, KLEstimator, LossAggregation
 
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps exp() finite when policies drift apart
 
@@ -89,14 +89,20 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, group=None, eps: float = 1e-8) -
     return ((x - mean.to(x.dtype)) * torch.rsqrt(var.to(x.dtype) + eps)) * mask
 
 
-def grpo_advantages(returns: torch.Tensor, group_size: int, mask: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(
+    returns: torch.Tensor, group_size: int, mask: torch.Tensor, scale_by_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """GRPO (Shao et al. 2024, DeepSeekMath sec. 4.1.2, outcome supervision): each sequence's
     return standardised within the ``group_size`` samples of its prompt,
     A_i = (R_i - mean_group R) / (std_group R + eps), at every token of the sequence.
+    ``scale_by_std`` false: Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training",
+    sec. 3.1), A_i = R_i - mean_group R, without the division that favours groups of similar rewards.
 
     ``returns`` (B,) with each prompt's samples contiguous (B = prompts x group_size)."""
     grouped = returns.view(-1, group_size)  # (G, k)
-    advantages = (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + eps)  # unbiased std
+    advantages = grouped - grouped.mean(1, keepdim=True)
+    if scale_by_std:
+        advantages = advantages / (grouped.std(1, keepdim=True) + eps)  # unbiased std
     return advantages.reshape(-1, 1) * mask  # (B, T)
 
 
@@ -118,6 +124,7 @@ def estimate_advantages(
     group_size: int,
     whiten_advantages: bool,
     group=None,
+    grpo_std_scaling: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns), both (B, T), from token ``rewards`` (score on the last token, KL
     penalty on every token):
@@ -125,7 +132,8 @@ def estimate_advantages(
     * ``gae``: :func:`gae` on the critic's ``values``, optionally whitened over the batch (``group``);
     * ``reinforce_pp`` (REINFORCE++, Hu 2025): the discounted return to go (GAE with V = 0 and
       lambda = 1), whitened over the whole batch: a global baseline, no critic;
-    * ``grpo`` / ``rloo``: the sequence's total reward against its prompt's group (the functions above).
+    * ``grpo`` / ``rloo``: the sequence's total reward against its prompt's group (the functions above;
+      ``grpo_std_scaling`` false: Dr. GRPO).
 
     ``returns`` are the critic's targets with ``gae``; for the others, the return to go (logged only).
     """
@@ -137,10 +145,35 @@ def estimate_advantages(
         return whiten(to_go, mask, group), to_go
     total = (rewards * mask).sum(1)  # (B,) the sequence's reward: score minus its KL penalty
     if estimator == "grpo":
-        return grpo_advantages(total, group_size, mask), to_go
+        return grpo_advantages(total, group_size, mask, grpo_std_scaling), to_go
     if estimator == "rloo":
         return rloo_advantages(total, group_size, mask), to_go
     raise ValueError(f"unknown advantage estimator {estimator!r}")
+
+
+def aggregation_weights(
+    mask: torch.Tensor, aggregation: LossAggregation, sequences: int, tokens: int, norm_tokens: int
+) -> torch.Tensor:
+    """(b, T) weight of each token's loss such that sum(loss * weight) over the whole mini-batch
+    (every micro-batch of every rank; ``sequences`` and ``tokens`` its totals) is the aggregated loss:
+
+    * ``token_mean``: 1 / tokens, every response token alike (DAPO, Yu et al. 2025, sec. 3.3, "token-level policy
+      gradient loss");
+    * ``seq_mean_token_mean``: 1 / (|o_i| * sequences), each sequence's token mean, then the mean
+      over sequences (GRPO, Shao et al. 2024, eq. 3): a long response's tokens weigh less;
+    * ``seq_mean_token_sum_norm``: 1 / (norm_tokens * sequences), each sequence's token sum over a
+      constant (Dr. GRPO, Liu et al. 2025, sec. 3.1): no length bias either way.
+
+    ``mask`` (b, T) marks the response tokens of this micro-batch's b sequences (whole sequences:
+    packing never splits one), so the weights depend on neither the split nor the number of ranks."""
+    m = mask.float()
+    if aggregation == "token_mean":
+        return m / tokens
+    if aggregation == "seq_mean_token_mean":
+        return m / (m.sum(1, keepdim=True).clamp(min=1) * sequences)
+    if aggregation == "seq_mean_token_sum_norm":
+        return m / (norm_tokens * sequences)
+    raise ValueError(f"unknown loss aggregation {aggregation!r}")
 
 
 def truncated_is_weights(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, cap: float) -> torch.Tensor:

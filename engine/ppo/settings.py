@@ -15,7 +15,7 @@ import torch
 
 from engine.models.loading import trains_as_it_evaluates
 from engine.ppo.losses import PolicyLoss, clipped_policy_loss, dual_clip_policy_loss
-from engine.run_config import AdvantageEstimator, KLEstimator, PPOConfig
+from engine.run_config import AdvantageEstimator, KLEstimator, LossAggregation, PPOConfig
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,8 @@ class PolicyLossSettings:
     kl_loss_coef: float
     kl_estimator: KLEstimator
     entropy_coef: float
+    aggregation: LossAggregation = "token_mean"  # how the per-token losses of a mini-batch add up
+    norm_tokens: int = 1  # seq_mean_token_sum_norm's constant
 
     @classmethod
     def from_config(cls, cfg: PPOConfig) -> PolicyLossSettings:
@@ -50,6 +52,8 @@ class PolicyLossSettings:
             kl_loss_coef=cfg.ppo.kl_loss_coef,
             kl_estimator=cfg.ppo.kl_loss_estimator,
             entropy_coef=cfg.ppo.entropy_coef,
+            aggregation=cfg.ppo.loss_aggregation,
+            norm_tokens=cfg.ppo.loss_norm_tokens or cfg.rollout.max_new_tokens,
         )
 
     def policy_loss(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor) -> PolicyLoss:
@@ -75,6 +79,7 @@ class ExperienceSettings:
     share_prompts: bool = True  # the samples of a prompt compute it once in each forward
     values_from_update: bool = False  # no critic forward: the first critic step computes the values
     distinct_n: int = 2  # n of the rollout's distinct n-grams among a prompt's samples (a monitor)
+    grpo_std_scaling: bool = True  # grpo divides by the group's reward std (false: Dr. GRPO)
 
     @classmethod
     def from_config(cls, cfg: PPOConfig, value_weights: torch.Tensor, values_from_update: bool) -> ExperienceSettings:
@@ -89,6 +94,7 @@ class ExperienceSettings:
             share_prompts=cfg.ppo.share_prompt,
             values_from_update=values_from_update,
             distinct_n=cfg.monitors.distinct_n,
+            grpo_std_scaling=cfg.ppo.grpo_std_scaling,
         )
 
 

@@ -1,8 +1,10 @@
 """One optimizer step of the actor or the critic over a PPO mini-batch (this rank's share).
 
-Losses are token-means over the whole mini-batch across ranks: each micro-batch's summed loss
-is scaled by ``world_size / global_tokens`` (engine/data/batching.py), so the update does not depend
-on how the mini-batch was cut into micro-batches or spread over ranks.
+Losses are aggregated over the whole mini-batch across ranks: the critic's as a token mean (each
+micro-batch's summed loss scaled by ``world_size / global_tokens``, engine/data/batching.py), the
+actor's as ``ppo.loss_aggregation`` says (per-token weights from the mini-batch's global sequence and
+token counts), so the update does not depend on how the mini-batch was cut into micro-batches or
+spread over ranks.
 """
 
 from __future__ import annotations
@@ -16,14 +18,14 @@ from engine.data.batching import token_mean_scale
 from engine.data.packing import PackedBatch, dummy_forward_loss, packed_forward
 from engine.ppo.experience import Experience
 from engine.ppo.forwards import micro_batches, pad_right, response_logprobs, response_values
-from engine.ppo.losses import PolicyLoss, clipped_value_loss, estimate_advantages, gae, kl_penalty
+from engine.ppo.losses import PolicyLoss, aggregation_weights, clipped_value_loss, estimate_advantages, gae, kl_penalty
 from engine.ppo.settings import GaeSettings, PolicyLossSettings, UpdateSettings
 from engine.run import faults
 from engine.run.distributed import all_reduce
 
 
 class ActorLoss(NamedTuple):
-    per_token: torch.Tensor  # (b, T) what is minimised: aggregate as (per_token * mask).sum() * token_mean_scale(...)
+    per_token: torch.Tensor  # (b, T) what is minimised, weighted by engine.ppo.losses.aggregation_weights
     pg: PolicyLoss  # the surrogate and where its clips were active
     kl: torch.Tensor | None  # (b, T) KL(new || ref) estimate of the KL loss (None without one)
 
@@ -75,12 +77,21 @@ def global_token_count(mask: torch.Tensor) -> int:
     return int(count.item())
 
 
+def global_counts(mask: torch.Tensor) -> tuple[int, int]:
+    """(sequences, response tokens) of a mini-batch over all ranks; ``mask`` (b, T) is this rank's share."""
+    counts = torch.tensor([mask.shape[0], int(mask.sum())], dtype=torch.long)
+    all_reduce(counts)
+    return int(counts[0]), int(counts[1])
+
+
 def actor_step(engine, batch: Experience, settings: UpdateSettings, iteration: int) -> dict[str, float]:
     """Clipped (or dual-clip) PPO policy loss [+ KL loss - entropy bonus] over ``batch``, a
-    mini-batch of 0-based ``iteration``; returns summed stats."""
+    mini-batch of 0-based ``iteration``, aggregated over its tokens as ``settings.policy.aggregation``
+    says (:func:`engine.ppo.losses.aggregation_weights`); returns token-mean stats."""
     world = torch.distributed.get_world_size()
-    scale = token_mean_scale(global_token_count(batch.mask), world)
-    names = actor_metric_names(settings.policy)
+    sequences, tokens = global_counts(batch.mask)
+    policy = settings.policy
+    names = actor_metric_names(policy)
     sums = torch.zeros(len(names) + 1, dtype=torch.float64)  # token sums of each statistic, then the token count
     for _, mb, packed in _micro_batches(engine, batch, settings):
         T = mb.mask.shape[1]
@@ -89,9 +100,11 @@ def actor_step(engine, batch: Experience, settings: UpdateSettings, iteration: i
         )
         assert entropy_rows is not None  # with_entropy
         logprobs, entropy = pad_right(logprob_rows, T), pad_right(entropy_rows, T)  # (b, T) each
-        loss = actor_token_loss(logprobs, entropy, mb, settings.policy)
+        loss = actor_token_loss(logprobs, entropy, mb, policy)
         mask = mb.mask.float()
-        engine.backward(faults.poisoned((loss.per_token * mask).sum() * scale, iteration + 1))
+        weights = aggregation_weights(mb.mask, policy.aggregation, sequences, tokens, policy.norm_tokens)  # (b, T)
+        # times world: DeepSpeed averages the ranks' gradients (engine/data/batching.token_mean_scale)
+        engine.backward(faults.poisoned((loss.per_token * weights).sum() * world, iteration + 1))
         with torch.no_grad():
             approx_kl = 0.5 * (logprobs - mb.old_logprobs) ** 2  # Schulman's k2 of KL(old || new)
             per_token = [loss.pg.loss, loss.pg.clipped.float(), approx_kl, entropy]

@@ -11,7 +11,7 @@ The sections the scripts share are in ``common.py``, each script's config in ``s
 """
 
 from engine.run_config.common import LoraSection, resolve_deepspeed_dtype
-from engine.run_config.ppo import AdvantageEstimator, CriticSource, KLEstimator, PPOConfig
+from engine.run_config.ppo import AdvantageEstimator, CriticSource, KLEstimator, LossAggregation, PPOConfig
 from engine.run_config.rm import RewardModelConfig, RMSection
 from engine.run_config.schema import SCRIPT_CONFIGS, schemas
 from engine.run_config.sft import SFTConfig
@@ -22,6 +22,7 @@ __all__ = [
     "CriticSource",
     "KLEstimator",
     "LoraSection",
+    "LossAggregation",
     "PPOConfig",
     "RMSection",
     "RewardModelConfig",

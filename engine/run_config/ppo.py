@@ -21,6 +21,7 @@ from engine.run_config.rewards import RewardModelSection, RewardsSection
 
 # The names PPO's formulas take (engine/ppo/losses.py), defined once here where the config offers them.
 KLEstimator = Literal["k1", "k2", "k3"]
+LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_pp"]
 
 
@@ -114,6 +115,18 @@ class PPOSection(Config):
         "reinforce_pp (global baseline)",
     )
     whiten_advantages: bool = option(True, "standardise GAE advantages over the rollout batch (all ranks)")
+    grpo_std_scaling: bool = option(
+        True, "grpo: divide by the group's reward std (false: Dr. GRPO, the group mean subtracted only)"
+    )
+    loss_aggregation: LossAggregation = option(
+        "token_mean",
+        "the actor loss over a mini-batch: token_mean (every response token alike; DAPO), seq_mean_token_mean "
+        "(each sequence's token mean, then the mean over sequences; GRPO), seq_mean_token_sum_norm (each "
+        "sequence's token sum / loss_norm_tokens, then the mean; Dr. GRPO)",
+    )
+    loss_norm_tokens: int | None = option(
+        None, "seq_mean_token_sum_norm's constant (None: rollout.max_new_tokens)", ge=1
+    )
     old_logprobs_from: Literal["actor", "sampler"] = option(
         "actor",
         "PPO's old log-probs: the actor's experience forward, or the sampler's own (fp32 only; one forward fewer per "
