@@ -210,6 +210,8 @@ def test_bf16_follows_the_deepspeed_config_unless_the_run_config_says():
         ({"ppo": {"tis_cap": 0.5}}, "ppo.tis_cap"),
         ({"monitors": {"action": "rollback"}}, "monitors.action rollback returns to the last good evaluation"),
         ({"monitors": {"action": "pause"}}, "monitors.action"),
+        ({"ppo": {"importance_ratio": "sequence", "clip_ratio_c": 3.0}}, "ppo.importance_ratio sequence (GSPO)"),
+        ({"ppo": {"loss_aggregation": "seq_mean"}}, "ppo.loss_aggregation"),
     ],
 )
 def test_critic_free_estimators_and_lora_refuse_what_they_cannot_do(overrides, message):

@@ -18,6 +18,7 @@ from engine.ppo.losses import (
     estimate_advantages,
     gae,
     grpo_advantages,
+    gspo_policy_loss,
     kl_penalty,
     masked_mean,
     rloo_advantages,
@@ -175,6 +176,22 @@ def test_grpo_standardises_within_each_prompts_group_by_hand():
     # Dr. GRPO: the mean subtracted, no division by the std ([1, 3] -> -1, +1)
     dr = grpo_advantages(torch.tensor([1.0, 3.0, 2.0, 2.0]), 2, mask, scale_by_std=False)
     assert torch.equal(dr, torch.tensor([[-1.0, -1.0, 0], [1.0, 1.0, 1.0], [0, 0, 0], [0, 0, 0]]))
+
+
+def test_gspo_clips_one_ratio_per_sequence_by_hand():
+    """Sequence 0: token log-ratios ln 2 and 0, s = sqrt(2) > 1.28: clipped at every token (no
+    gradient); sequence 1: +0.1 and -0.1, s = 1: unclipped, each token's gradient -A * s."""
+    old = torch.zeros(2, 3)
+    logprobs = torch.tensor([[math.log(2), 0.0, 5.0], [0.1, -0.1, 5.0]], requires_grad=True)  # 5.0: padding
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]], dtype=torch.bool)
+    advantages = torch.tensor([[1.0], [2.0]]).expand(2, 3) * mask
+    out = gspo_policy_loss(logprobs, old, advantages, mask, clip_low=0.2, clip_high=0.28)
+    assert torch.allclose(out.loss[0, :2], torch.tensor([-1.28, -1.28])) and out.clipped[0, :2].all()
+    assert torch.allclose(out.loss[1, :2], torch.tensor([-2.0, -2.0])) and not out.clipped[1].any()
+    (out.loss * mask).sum().backward()
+    assert torch.allclose(logprobs.grad, torch.tensor([[0.0, 0.0, 0.0], [-2.0, -2.0, 0.0]]))
+    # token ratios would have clipped only sequence 0's first token (2 > 1.28) and left 1.105 alone
+    assert clipped_policy_loss(logprobs, old, advantages, 0.2, 0.28).clipped[0].tolist() == [True, False, False]
 
 
 def test_loss_aggregations_by_hand():

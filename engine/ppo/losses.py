@@ -203,6 +203,28 @@ def clipped_policy_loss(
     return PolicyLoss(torch.maximum(unclipped, clipped), clipped > unclipped)
 
 
+def gspo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> PolicyLoss:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", eqs. 5-7 and GSPO-token, eq. 13):
+    one importance ratio per sequence, the length-normalised product of its token ratios,
+    s_i = exp(mean_t log(pi_t / pi_old_t)), clipped per sequence. Per token (b, T) it is
+    s_i,t = sg[s_i] * pi_t / sg[pi_t]: s_i in value, and with the sequence-mean aggregation the
+    gradient of GSPO; loss max(-A * s, -A * clip(s, 1 - clip_low, 1 + clip_high)). ``mask`` (b, T)."""
+    m = mask.to(logprobs.dtype)
+    seq_log_ratio = ((logprobs - old_logprobs) * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)
+    log_ratio = logprobs - logprobs.detach() + seq_log_ratio.detach()  # (b, T)
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    return PolicyLoss(torch.maximum(unclipped, clipped), clipped > unclipped)
+
+
 def dual_clip_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.models.loading import trains_as_it_evaluates
-from engine.ppo.losses import PolicyLoss, clipped_policy_loss, dual_clip_policy_loss
+from engine.ppo.losses import PolicyLoss, clipped_policy_loss, dual_clip_policy_loss, gspo_policy_loss
 from engine.run_config import AdvantageEstimator, KLEstimator, LossAggregation, PPOConfig
 
 
@@ -40,6 +40,7 @@ class PolicyLossSettings:
     kl_loss_coef: float
     kl_estimator: KLEstimator
     entropy_coef: float
+    sequence_ratio: bool = False  # GSPO: one importance ratio per sequence
     aggregation: LossAggregation = "token_mean"  # how the per-token losses of a mini-batch add up
     norm_tokens: int = 1  # seq_mean_token_sum_norm's constant
 
@@ -52,12 +53,17 @@ class PolicyLossSettings:
             kl_loss_coef=cfg.ppo.kl_loss_coef,
             kl_estimator=cfg.ppo.kl_loss_estimator,
             entropy_coef=cfg.ppo.entropy_coef,
+            sequence_ratio=cfg.ppo.importance_ratio == "sequence",
             aggregation=cfg.ppo.loss_aggregation,
             norm_tokens=cfg.ppo.loss_norm_tokens or cfg.rollout.max_new_tokens,
         )
 
-    def policy_loss(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor) -> PolicyLoss:
-        """The configured surrogate: clipped, or dual-clip when ``clip_ratio_c`` is set."""
+    def policy_loss(
+        self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+    ) -> PolicyLoss:
+        """The configured surrogate: GSPO's sequence-ratio one, clipped, or dual-clip when ``clip_ratio_c`` is set."""
+        if self.sequence_ratio:
+            return gspo_policy_loss(logprobs, old_logprobs, advantages, mask, self.clip_low, self.clip_high)
         if self.clip_ratio_c is None:
             return clipped_policy_loss(logprobs, old_logprobs, advantages, self.clip_low, self.clip_high)
         return dual_clip_policy_loss(

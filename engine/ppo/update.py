@@ -35,7 +35,7 @@ def actor_token_loss(
 ) -> ActorLoss:
     """Per-token actor loss: is_weight * policy surrogate [+ kl_loss_coef * KL(new || ref)] [- entropy_coef * entropy]
     (``mb.is_weights``: truncated importance weights, ones unless ppo.tis_cap)."""
-    pg = settings.policy_loss(logprobs, mb.old_logprobs, mb.advantages)
+    pg = settings.policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.mask)
     per_token = pg.loss * mb.is_weights
     per_token = per_token - settings.entropy_coef * entropy if settings.entropy_coef else per_token
     kl = kl_penalty(logprobs, mb.ref_logprobs, settings.kl_estimator) if settings.kl_loss_coef else None

@@ -89,6 +89,11 @@ class PPOSection(Config):
     clip_ratio: float = option(0.2, "PPO clip range (lower side)", gt=0, lt=1)
     clip_ratio_high: float | None = option(None, "upper clip range if asymmetric (None: clip_ratio)", gt=0)
     clip_ratio_c: float | None = option(None, "dual-clip bound for negative advantages, e.g. 3.0 (None: off)", gt=1)
+    importance_ratio: Literal["token", "sequence"] = option(
+        "token",
+        "the policy ratio clipped: per token (PPO), or per sequence, the length-normalised product of its token "
+        "ratios (GSPO; its paper clips at 3e-4 / 4e-4 with loss_aggregation seq_mean_token_mean)",
+    )
     value_clip: float = option(0.2, "value-function clip range around the old values", gt=0)
     gamma: float = option(1.0, "discount", ge=0, le=1)
     lam: float = option(0.95, "GAE lambda", ge=0, le=1)
@@ -216,6 +221,11 @@ class PPOConfig(Config):
         if self.guards.rollback_drop is not None and not (self.data.eval_prompts and self.train.eval_every):
             raise ConfigError(
                 "guards.rollback_drop needs data.eval_prompts and train.eval_every > 0 (the held-out reward it watches)"
+            )
+        if self.ppo.importance_ratio == "sequence" and self.ppo.clip_ratio_c is not None:
+            raise ConfigError(
+                "ppo.clip_ratio_c (dual clip) caps token ratios; ppo.importance_ratio sequence (GSPO) has one ratio "
+                "per sequence: drop one"
             )
         if self.monitors.action == "rollback" and self.guards.rollback_drop is None:
             raise ConfigError(
