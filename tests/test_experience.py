@@ -110,6 +110,29 @@ def test_make_experience_equals_naive_padded_forwards(process_group, models):
     assert stats["sampler_logprob_gap"] > 0  # the samples carry made-up (zero) sampler log-probs
 
 
+def test_truncated_responses_can_be_masked_out_of_the_loss(process_group, models):
+    """DAPO's overlong filtering (ppo.mask_truncated): a response cut at max_new_tokens keeps its
+    score and its place in the advantages, and counts in no loss (its row of the mask is empty)."""
+    actor, critic, scorer, tokenizer = models
+    batch = [replace(s, finished=i % 2 == 0) for i, s in enumerate(samples(actor.config.vocab_size))]
+    prompts = [Prompt([{"role": "user", "content": f"question {i}"}], {}) for i in range(len(batch))]
+    run = lambda **changes: make_experience(
+        batch,
+        prompts,
+        engines(actor, critic, scorer),
+        scorer,
+        tokenizer,
+        replace(SETTINGS, **changes),
+        kl_coef=0.5,
+        old_logprobs_from_sampler=False,
+    )
+    (kept, kept_stats), (masked, masked_stats) = run(), run(mask_truncated=True)
+    assert masked.mask.sum(1).tolist() == [RESPONSE_LENS[0], 0, RESPONSE_LENS[2], 0]
+    assert kept.mask.sum(1).tolist() == RESPONSE_LENS
+    assert torch.equal(masked.scores, kept.scores) and torch.equal(masked.advantages, kept.advantages)
+    assert masked_stats == kept_stats and masked_stats["finished"] == 0.5
+
+
 def test_old_logprobs_from_the_sampler_skip_the_actor_forward(process_group, models):
     actor, critic, scorer, tokenizer = models
     batch = samples(actor.config.vocab_size)

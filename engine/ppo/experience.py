@@ -149,7 +149,7 @@ def make_experience(
     exp = Experience(
         sequences,
         prompt_lens,
-        mask,
+        mask & torch.tensor([s.finished for s in samples])[:, None] if settings.mask_truncated else mask,
         old_logprobs,
         ref_logprobs,
         values,

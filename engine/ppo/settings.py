@@ -86,6 +86,7 @@ class ExperienceSettings:
     values_from_update: bool = False  # no critic forward: the first critic step computes the values
     distinct_n: int = 2  # n of the rollout's distinct n-grams among a prompt's samples (a monitor)
     grpo_std_scaling: bool = True  # grpo divides by the group's reward std (false: Dr. GRPO)
+    mask_truncated: bool = False  # responses cut at max_new_tokens count in no loss (DAPO's overlong filtering)
 
     @classmethod
     def from_config(cls, cfg: PPOConfig, value_weights: torch.Tensor, values_from_update: bool) -> ExperienceSettings:
@@ -101,6 +102,7 @@ class ExperienceSettings:
             values_from_update=values_from_update,
             distinct_n=cfg.monitors.distinct_n,
             grpo_std_scaling=cfg.ppo.grpo_std_scaling,
+            mask_truncated=cfg.ppo.mask_truncated,
         )
 
 

@@ -78,10 +78,11 @@ def global_token_count(mask: torch.Tensor) -> int:
 
 
 def global_counts(mask: torch.Tensor) -> tuple[int, int]:
-    """(sequences, response tokens) of a mini-batch over all ranks; ``mask`` (b, T) is this rank's share."""
-    counts = torch.tensor([mask.shape[0], int(mask.sum())], dtype=torch.long)
+    """(sequences, response tokens) of a mini-batch that count in its loss, over all ranks (at least 1
+    each); ``mask`` (b, T) is this rank's share (a row masked out entirely: ppo.mask_truncated)."""
+    counts = torch.tensor([int(mask.any(1).sum()), int(mask.sum())], dtype=torch.long)
     all_reduce(counts)
-    return int(counts[0]), int(counts[1])
+    return max(int(counts[0]), 1), max(int(counts[1]), 1)
 
 
 def actor_step(engine, batch: Experience, settings: UpdateSettings, iteration: int) -> dict[str, float]:
@@ -122,7 +123,7 @@ def critic_step(
     forward sets ``batch.old_values`` of its rows and computes GAE's returns for them (GAE runs
     within a sequence) before its loss; the caller derives advantages and returns for the batch."""
     world = torch.distributed.get_world_size()
-    scale = token_mean_scale(global_token_count(batch.mask), world)
+    scale = token_mean_scale(global_counts(batch.mask)[1], world)
     sums = torch.zeros(4, dtype=torch.float64)  # vf_loss, clipped tokens, value, tokens
     for rows, mb, packed in _micro_batches(engine, batch, settings):
         values = pad_right(

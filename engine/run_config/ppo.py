@@ -129,6 +129,9 @@ class PPOSection(Config):
         "(each sequence's token mean, then the mean over sequences; GRPO), seq_mean_token_sum_norm (each "
         "sequence's token sum / loss_norm_tokens, then the mean; Dr. GRPO)",
     )
+    mask_truncated: bool = option(
+        False, "responses cut at rollout.max_new_tokens count in no loss (DAPO's overlong filtering)"
+    )
     loss_norm_tokens: int | None = option(
         None, "seq_mean_token_sum_norm's constant (None: rollout.max_new_tokens)", ge=1
     )
