@@ -133,6 +133,10 @@ def test_the_plan_without_a_reward_model(setup, tiny_model_dir, capsys):
         "2 reward worker(s) per rank" in plan
     ), plan
     assert "judge: format, length (held-out responses only)" in plan
+    assert (
+        "objective: reinforce_pp advantages; token ratios clipped at 0.2; token_mean; KL k1 x 0.05 in the reward"
+        in plan
+    )
 
 
 def test_a_run_on_reward_components_stops_cleanly_when_the_server_goes_down(setup, tiny_model_dir):

@@ -261,12 +261,30 @@ def ppo_plan(cfg, prompts: list, eval_prompts: list, tokenizer, ds_config: dict[
     if r.sampler == "vllm":
         print(f"  vLLM sampler: {vllm_memory(cfg, world)}")
     print(f"score: {score_terms(cfg)}")
+    print(f"objective: {objective_terms(cfg)}")
     if cfg.judge.active():
         judged = ["reward model"] * bool(cfg.judge.reward_model) + list(
             cfg.judge.rewards.weights() if cfg.judge.rewards else {}
         )
         print(f"judge: {', '.join(judged)} (held-out responses only)")
     return 0
+
+
+def objective_terms(cfg) -> str:
+    """The policy objective, in words: advantages, ratio and clip, aggregation, KL."""
+    p = cfg.ppo
+    dr_grpo = p.advantage_estimator == "grpo" and not p.grpo_std_scaling
+    advantages = p.advantage_estimator + (" without std scaling (Dr. GRPO)" if dr_grpo else "")
+    clip = f"{p.clip_ratio:g}" + (f"/{p.clip_ratio_high:g}" if p.clip_ratio_high is not None else "")
+    kl = [f"{p.kl_estimator} x {p.kl_coef:g} in the reward"] if p.use_kl_in_reward else []
+    kl += [f"{p.kl_loss_estimator} x {p.kl_loss_coef:g} in the loss"] if p.kl_loss_coef else []
+    return (
+        f"{advantages} advantages; {p.importance_ratio} ratios clipped at {clip}"
+        + (f", dual clip {p.clip_ratio_c:g}" if p.clip_ratio_c else "")
+        + f"; {p.loss_aggregation}"
+        + (", truncated responses masked" if p.mask_truncated else "")
+        + f"; KL {' and '.join(kl) or 'none'}"
+    )
 
 
 def score_terms(cfg) -> str:
