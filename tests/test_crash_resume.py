@@ -48,17 +48,23 @@ def assert_resume_matches(rm_run, config: Path, run_dir: Path, expect_from: int 
     return resumed_at
 
 
-def test_sigterm_writes_a_checkpoint_and_exits_cleanly(rm_run, tiny_model_dir, rm_data, tmp_path):
-    config = write_rm_config(tmp_path / "rm.json", tiny_model_dir, rm_data, tmp_path / "run")
-    proc = start_launched("train_rm.py", config)
-    wait_for_step(tmp_path / "run", 5, proc)
+def test_sigterm_writes_a_checkpoint_and_exits_cleanly(rm_run, tmp_path):
+    """The uninterrupted run's copy, resumed from its step-40 checkpoint under the launcher, gets a
+    preemption notice after step 45: a checkpoint, exit 0; the next resume repeats the losses."""
+    root, _ = rm_run
+    config = copied_run(root, tmp_path)
+    shutil.rmtree(tmp_path / "run" / "model")
+    metrics = tmp_path / "run" / "metrics.jsonl"  # as the resume leaves it, so no later step is seen early
+    metrics.write_text("".join(line for line in metrics.read_text().splitlines(True) if json.loads(line)["step"] <= 40))
+    proc = start_launched("train_rm.py", config, "--resume")
+    wait_for_step(tmp_path / "run", 45, proc)
     for worker in workers(proc):  # what a scheduler's preemption notice does
         worker.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output[-3000:]
     assert "stopped by SIGTERM after step" in output and "--resume" in output
     stopped_at = int(output.split("stopped by SIGTERM after step ")[1].split(":")[0])
-    assert 5 <= stopped_at < RM_STEPS
+    assert 45 <= stopped_at < RM_STEPS
     assert (tmp_path / "run" / "checkpoints" / f"step{stopped_at:08d}" / "MANIFEST.json").exists()
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == f"step{stopped_at:08d}"
     assert_resume_matches(rm_run, config, tmp_path / "run", expect_from=stopped_at)
@@ -143,20 +149,27 @@ def test_a_real_write_failure_stops_every_rank_at_once_and_keeps_the_previous_ch
     assert {p: p.stat().st_size for p in (checkpoints / "step00000002").rglob("*")} == before
 
 
+def copied_run(root: Path, tmp_path: Path) -> Path:
+    """A copy of the uninterrupted run (its checkpoints at steps 20 and 40) in tmp_path/run, and its
+    config writing there (tmp_path/rm.json)."""
+    shutil.copytree(root / "run", tmp_path / "run")
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step*")) == ["step00000020", "step00000040"]
+    config = json.loads((root / "rm.json").read_text())
+    config["logging"]["output_dir"] = str(tmp_path / "run")
+    (tmp_path / "rm.json").write_text(json.dumps(config))
+    return tmp_path / "rm.json"
+
+
 def test_damaged_newest_checkpoint_is_skipped_and_the_resume_repeats_the_run(rm_run, tmp_path):
     """The newest checkpoint (step 40) has a torn shard: the resume starts from step 20 and repeats
     the uninterrupted run's losses and its exported model."""
     root, _ = rm_run
     run = tmp_path / "run"
-    shutil.copytree(root / "run", run)
-    assert sorted(p.name for p in (run / "checkpoints").glob("step*")) == ["step00000020", "step00000040"]
+    config = copied_run(root, tmp_path)
     shard = next((run / "checkpoints" / "step00000040").rglob("*.pt"))
     shard.write_bytes(shard.read_bytes()[:-10])  # torn write
     shutil.rmtree(run / "model")
-    config = json.loads((root / "rm.json").read_text())
-    config["logging"]["output_dir"] = str(run)
-    (tmp_path / "rm.json").write_text(json.dumps(config))
-    assert_resume_matches(rm_run, tmp_path / "rm.json", run, expect_from=20)
+    assert_resume_matches(rm_run, config, run, expect_from=20)
     components = list(RM_COMPONENTS)
     assert_same_weights(
         load_value_model(str(root / "run" / "model"), components).state_dict(),
