@@ -210,6 +210,10 @@ def test_bf16_follows_the_deepspeed_config_unless_the_run_config_says():
         ({"ppo": {"tis_cap": 0.5}}, "ppo.tis_cap"),
         ({"monitors": {"action": "rollback"}}, "monitors.action rollback returns to the last good evaluation"),
         ({"monitors": {"action": "pause"}}, "monitors.action"),
+        (
+            {"judge": {"rewards": {"format": {"pattern": "x"}}}},
+            "judge scores held-out responses: set data.eval_prompts",
+        ),
         ({"ppo": {"importance_ratio": "sequence", "clip_ratio_c": 3.0}}, "ppo.importance_ratio sequence (GSPO)"),
         ({"ppo": {"loss_aggregation": "seq_mean"}}, "ppo.loss_aggregation"),
     ],
