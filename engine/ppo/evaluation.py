@@ -82,6 +82,7 @@ class HeldOutEvaluator:
         self.tokenizer, self.scorer, self.judge, self.settings = tokenizer, scorers.run, scorers.judge, settings
         self.max_tokens, (self.ngram, self.distinct_n), self.share_prompts = max_tokens, ngrams, share_prompts
         self.reference: Responses | None = None
+        self.reference_distinct = 0.0  # distinct_over_ranks of the reference's responses
 
     def score(self, scorer: RewardScorer, samples: list[Sample], texts: list[str]) -> Scored:
         total, parts = scorer.score(
@@ -105,15 +106,18 @@ class HeldOutEvaluator:
     def sample_reference(self, sampler, engines: HybridEngine) -> None:
         """Sample the reference policy's responses: with ``sampler`` loaded with the reference's
         weights (then the actor's again), or with HF generate on the reference."""
+        hf = isinstance(sampler, HFSampler)
         with adapters_disabled(engines.ref.module):  # LoRA: the reference is the actor's base
-            if isinstance(sampler, HFSampler):
+            if hf:
                 pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
                 reference_sampler = HFSampler(engines.ref, pad_token_id=pad, eos_token_id=eos)
-                self.reference = self.respond(reference_sampler, self.settings.temperature, REFERENCE_SEED, judged=True)
-                return
-            sampler.sync_weights(engines.ref.module)
-            self.reference = self.respond(sampler, self.settings.temperature, REFERENCE_SEED, judged=True)
-        sampler.sync_weights(engines.actor.module)
+            else:
+                sampler.sync_weights(engines.ref.module)
+                reference_sampler = sampler
+            self.reference = self.respond(reference_sampler, self.settings.temperature, REFERENCE_SEED, judged=True)
+        if not hf:
+            sampler.sync_weights(engines.actor.module)
+        self.reference_distinct = self.distinct_over_ranks(self.reference)
 
     def distinct_over_ranks(self, responses: Responses) -> float:
         """:func:`engine.ppo.monitors.distinct_share` of the responses of every rank together."""
@@ -174,7 +178,7 @@ class HeldOutEvaluator:
             "ref_length": ref_length / n,
             "length_ratio": length / max(ref_length, 1.0),
             "repeated_ngram_frac": repeated / max(total, 1.0),
-            "distinct_ratio": self.distinct_over_ranks(sampled) / max(self.distinct_over_ranks(ref), 1e-9),
+            "distinct_ratio": self.distinct_over_ranks(sampled) / max(self.reference_distinct, 1e-9),
         } | judge_metrics(sampled.judged, ref.judged)
         for i, (kind, name) in enumerate((kind, k) for kind in ("", "_greedy") for k in names):
             metrics[name.replace("reward/", f"reward{kind}/", 1)] = parts[i] / n

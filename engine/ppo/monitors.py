@@ -16,6 +16,7 @@ flag does (``monitors.action``: warn, rollback, stop) is train/train_ppo.py's to
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -100,23 +101,13 @@ class HackingMonitor:
     active: list[str] = field(default_factory=list)  # kinds whose condition held at their last check
     raised: list[tuple[str, int]] = field(default_factory=list)  # (kind, step) of every flag raised
 
-    STATE = (
-        "first_entropy",
-        "first_diversity",
-        "last_train_reward",
-        "last_win_rate",
-        "last_eval_step",
-        "train_scores",
-        "active",
-        "raised",
-    )
-
     def state_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.STATE}
+        """Every field but ``limits`` (the config's)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "limits"}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for name in self.STATE:
-            setattr(self, name, state[name])
+        for key, value in state.items():
+            setattr(self, key, value)
         self.raised = [tuple(r) for r in self.raised]  # type: ignore[misc]
 
     def _raise(self, step: int, since: int, conditions: dict[str, str | None]) -> list[Flag]:
