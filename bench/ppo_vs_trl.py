@@ -262,7 +262,7 @@ def main() -> int:
     )
     print(
         f"{'trainer':<36}{'s/iteration':>12}{'gen tok/s':>11}{'vs TRL':>8}"
-        "   phases (generate / experience / train / sync)"
+        "   phases (generate / score / experience / train / sync)"
     )
     if None in trl_s:
         print(f"TRL {TRL_PPO_VERSION} PPOTrainer failed: {trl_failure}; our rows without a ratio")
@@ -282,7 +282,7 @@ def main() -> int:
         median = statistics.median(seconds)
         phases = " / ".join(
             f"{statistics.median(per_run(f'timing/{p}_s')):.3f}"
-            for p in ("generate", "make_experience", "train", "sync")
+            for p in ("generate", "score", "make_experience", "train", "sync")
         )
         ratios = [t / s for t, s in zip(trl_s, seconds)]  # each round's own pair
         ratio = f"{statistics.median(ratios):>7.2f}x" if ratios else f"{'-':>8}"
@@ -299,7 +299,7 @@ def main() -> int:
     )
     print(
         f"{'model math alone (plain HF)':<36}{experience_s + train_s:>12.3f}{'':>11}{'':>8}"
-        f"   - / {experience_s:.3f} / {train_s:.3f} / - s"
+        f"   - / - / {experience_s:.3f} / {train_s:.3f} / - s"
     )
     if trl_s:
         floor_s = experience_s + train_s + generate_s

@@ -216,6 +216,12 @@ def test_bf16_follows_the_deepspeed_config_unless_the_run_config_says():
         ),
         ({"ppo": {"importance_ratio": "sequence", "clip_ratio_c": 3.0}}, "ppo.importance_ratio sequence (GSPO)"),
         ({"ppo": {"loss_aggregation": "seq_mean"}}, "ppo.loss_aggregation"),
+        (
+            {"rollout": {"dynamic_sampling": True}},
+            "rollout.dynamic_sampling drops the prompts whose samples score alike, which carry no signal under a group "
+            "estimator; ppo.advantage_estimator gae still learns from them",
+        ),
+        ({"rollout": {"max_generation_rounds": 0}}, "rollout.max_generation_rounds"),
     ],
 )
 def test_critic_free_estimators_and_lora_refuse_what_they_cannot_do(overrides, message):

@@ -1,4 +1,4 @@
-"""Crash safety of train_rm.py under the real launcher: SIGTERM, SIGKILL, damaged checkpoints,
+"""Crash safety of train_rm.py: SIGTERM under the real launcher, SIGKILL, damaged checkpoints,
 resuming with another config. Every resumed run must reproduce the uninterrupted run's losses."""
 
 from __future__ import annotations
@@ -70,23 +70,22 @@ def test_sigterm_writes_a_checkpoint_and_exits_cleanly(rm_run, tmp_path):
     assert_resume_matches(rm_run, config, tmp_path / "run", expect_from=stopped_at)
 
 
-def test_sigkill_mid_run_then_inside_a_checkpoint_write_resumes_from_the_last_complete_one(
-    rm_run, tiny_model_dir, rm_data, tmp_path
-):
-    """Killed at step 25 (past the step-20 checkpoint); the resumed run is itself killed inside its
-    step-40 save, after the engine states are written and before the directory is renamed into
-    place; the second resume starts at 20 again and reproduces the uninterrupted run."""
-    config = write_rm_config(tmp_path / "rm.json", tiny_model_dir, rm_data, tmp_path / "run")
-    proc = start_launched("train_rm.py", config)
-    wait_for_step(tmp_path / "run", 25, proc)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
-    assert not (tmp_path / "run" / "model").exists()
+def test_sigkill_inside_a_checkpoint_write_resumes_from_the_last_complete_one(rm_run, tmp_path):
+    """A copy of the uninterrupted run as a SIGKILL after step 20 leaves it (the step-20 checkpoint,
+    no model) is resumed and killed inside its step-40 save, after the engine states are written and
+    before the directory is renamed into place; the next resume starts at 20 again and reproduces
+    the uninterrupted run."""
+    root, _ = rm_run
+    config = copied_run(root, tmp_path)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    shutil.rmtree(checkpoints / "step00000040")
+    shutil.rmtree(tmp_path / "run" / "model")
+    (checkpoints / "latest").write_text("step00000020")
     killed = launch("train_rm.py", config, "--resume", env=faults(kill_in_checkpoint_at=40), check=False)
     assert killed.returncode != 0 and "resumed at step 20" in killed.stdout
-    checkpoints = tmp_path / "run" / "checkpoints"
     assert (checkpoints / "step00000040.tmp").is_dir() and not (checkpoints / "step00000040").exists()  # the torn save
     assert (checkpoints / "latest").read_text().strip() == "step00000020"
+    assert not (tmp_path / "run" / "model").exists()
     assert_resume_matches(rm_run, config, tmp_path / "run", expect_from=20)
     assert not (checkpoints / "step00000040.tmp").exists()  # the resumed run saved step 40 over it
 

@@ -13,6 +13,7 @@ from engine.data import packing
 from engine.data.packing import packed_forward
 from engine.data.prompts import Prompt
 from engine.models.loading import load_causal_lm, load_value_model
+from engine.ppo.collect import Rollout
 from engine.ppo.engines import HybridEngine
 from engine.ppo.experience import OldLogprobSource, make_experience
 from engine.ppo.forwards import micro_batches, response_logprobs, response_values
@@ -59,6 +60,10 @@ def samples(vocab: int) -> list[Sample]:
     return [Sample(ids(p), ids(r), [0.0] * r, finished=True) for p, r in zip(PROMPT_LENS, RESPONSE_LENS)]
 
 
+def scored(batch: list[Sample], prompts: list[Prompt], scorer, tokenizer) -> Rollout:
+    return Rollout(batch, prompts, *scorer.score_samples(batch, prompts, tokenizer))
+
+
 def grouped_samples(vocab: int) -> list[Sample]:
     """Three prompts with three samples each, contiguous as the sampler returns them."""
     g = torch.Generator().manual_seed(1)
@@ -76,11 +81,9 @@ def test_make_experience_equals_naive_padded_forwards(process_group, models):
     prompts = [Prompt([{"role": "user", "content": f"question {i}"}], {}) for i in range(len(batch))]
     # ref = actor: the KL is zero, so each token's reward is 0 but the last (the score); gamma = lam = 1.
     exp, stats = make_experience(
-        batch,
-        prompts,
+        scored(batch, prompts, scorer, tokenizer),
         engines(actor, critic, scorer),
-        scorer,
-        tokenizer,
+        tokenizer.pad_token_id,
         SETTINGS,
         kl_coef=0.5,
         old_logprobs_from_sampler=False,
@@ -117,11 +120,9 @@ def test_truncated_responses_can_be_masked_out_of_the_loss(process_group, models
     batch = [replace(s, finished=i % 2 == 0) for i, s in enumerate(samples(actor.config.vocab_size))]
     prompts = [Prompt([{"role": "user", "content": f"question {i}"}], {}) for i in range(len(batch))]
     run = lambda **changes: make_experience(
-        batch,
-        prompts,
+        scored(batch, prompts, scorer, tokenizer),
         engines(actor, critic, scorer),
-        scorer,
-        tokenizer,
+        tokenizer.pad_token_id,
         replace(SETTINGS, **changes),
         kl_coef=0.5,
         old_logprobs_from_sampler=False,
@@ -142,7 +143,12 @@ def test_old_logprobs_from_the_sampler_skip_the_actor_forward(process_group, mod
     prompts = [Prompt([{"role": "user", "content": f"question {i}"}], {}) for i in range(len(batch))]
     no_actor = engines(actor, critic, scorer)._replace(actor=None)
     exp, stats = make_experience(
-        batch, prompts, no_actor, scorer, tokenizer, SETTINGS, kl_coef=0.5, old_logprobs_from_sampler=True
+        scored(batch, prompts, scorer, tokenizer),
+        no_actor,
+        tokenizer.pad_token_id,
+        SETTINGS,
+        kl_coef=0.5,
+        old_logprobs_from_sampler=True,
     )
     for i, s in enumerate(batch):  # no actor forward ran (actor=None): the sampler's log-probs, padded
         assert exp.old_logprobs[i, : len(s.logprobs)].tolist() == pytest.approx(s.logprobs)
@@ -161,11 +167,9 @@ def test_truncated_importance_weights_compare_the_actor_with_the_sampler(process
         SETTINGS, gae=GaeSettings(gamma=1.0, lam=1.0, whiten=False), advantage_estimator="reinforce_pp", tis_cap=1.5
     )
     exp, stats = make_experience(
-        batch,
-        prompts,
+        scored(batch, prompts, scorer, tokenizer),
         engines(actor, None, scorer),
-        scorer,
-        tokenizer,
+        tokenizer.pad_token_id,
         settings,
         kl_coef=0.0,
         old_logprobs_from_sampler=False,
@@ -204,11 +208,9 @@ def test_shared_prompts_give_the_experience_of_whole_sequences(process_group, mo
         )
         results.append(
             make_experience(
-                batch,
-                prompts,
+                scored(batch, prompts, scorer, tokenizer),
                 engines(actor, critic, scorer),
-                scorer,
-                tokenizer,
+                tokenizer.pad_token_id,
                 settings,
                 kl_coef=0.1,
                 old_logprobs_from_sampler=False,

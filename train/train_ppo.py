@@ -21,23 +21,18 @@ import os
 import time
 from functools import partial
 
-import torch
-
 from engine.config import config_to_dict
-from engine.data.batching import epoch_order
-from engine.data.chat import prompt_ids
 from engine.data.errors import DataFileError
-from engine.data.prompts import Prompt
 from engine.models.deepspeed_glue import describe_engine, save_hf_model, training_ds_config
+from engine.ppo.collect import RolloutCollector
 from engine.ppo.engines import HybridEngine, build_hybrid_engine, build_sampler, build_scorers, critic_value_weights
 from engine.ppo.evaluation import HeldOutEvaluator, held_out_eval, held_out_summary
 from engine.ppo.experience import OldLogprobSource, make_experience
 from engine.ppo.inputs import check_models, load_fitting_prompts, reward_components
 from engine.ppo.losses import AdaptiveKLController, FixedKLController
 from engine.ppo.monitors import HackingMonitor, MonitorLimits, act_on_flags
-from engine.ppo.rewards import RewardScorer
 from engine.ppo.settings import ExperienceSettings, UpdateSettings
-from engine.ppo.update import global_token_count, update_on_rollout
+from engine.ppo.update import update_on_rollout
 from engine.rewards.components import RewardsUnavailable
 from engine.rollout.sampler import SamplingSettings
 from engine.run.distributed import accelerator_memory_metrics, mean_over_ranks
@@ -50,12 +45,10 @@ from engine.run_config import PPOConfig
 
 def ppo_iteration(
     iteration: int,
-    prompts: list[Prompt],
+    collector: RolloutCollector,
     sampler,
-    sampling: SamplingSettings,
     engines: HybridEngine,
-    scorer: RewardScorer,
-    tokenizer,
+    pad_token_id: int,
     experience: ExperienceSettings,
     update: UpdateSettings,
     *,
@@ -64,25 +57,15 @@ def ppo_iteration(
     train_actor: bool,
     after_step,
 ) -> dict[str, float]:
-    """One iteration on this rank's ``prompts``: generate -> make experience -> PPO epochs -> sync the
-    sampler (unless the actor is not trained: critic warm-up). Returns the ppo/* metrics (rollout
-    statistics averaged over the ranks), reward/* (the score's parts) and timing/*."""
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    """One iteration on this rank's share: collect (generate and score, engine/ppo/collect.py) ->
+    make experience -> PPO epochs -> sync the sampler (unless the actor is not trained: critic
+    warm-up). Returns the ppo/* metrics (rollout statistics averaged over the ranks), reward/* (the
+    score's parts) and timing/*."""
     t0 = time.perf_counter()
-    groups = sampler.generate(
-        [prompt_ids(tokenizer, p.messages) for p in prompts], sampling, request_seed=iteration * world + rank
-    )
-    sampler.sleep()  # GPU: its memory goes to the experience forwards and training until the sync
+    rollout, collected = collector.collect()
     t1 = time.perf_counter()
     exp, rollout_stats = make_experience(
-        [s for group in groups for s in group],
-        [p for p, group in zip(prompts, groups) for _ in group],
-        engines,
-        scorer,
-        tokenizer,
-        experience,
-        kl_coef=kl_coef,
-        old_logprobs_from_sampler=old_from_sampler,
+        rollout, engines, pad_token_id, experience, kl_coef=kl_coef, old_logprobs_from_sampler=old_from_sampler
     )
     t2 = time.perf_counter()
     train_stats = update_on_rollout(
@@ -94,15 +77,17 @@ def ppo_iteration(
     t4 = time.perf_counter()
     rollout_stats = mean_over_ranks(rollout_stats)
     rollout_stats["kl_per_token"] = rollout_stats["kl"] / max(rollout_stats["response_length"], 1.0)
+    generate_s, score_s, tokens = (collected.pop(k) for k in ("generate_s", "score_s", "generated_tokens"))
     return (
-        {k if k.startswith("reward/") else f"ppo/{k}": v for k, v in (rollout_stats | train_stats).items()}
+        {k if k.startswith("reward/") else f"ppo/{k}": v for k, v in (rollout_stats | collected | train_stats).items()}
         | {
-            "timing/generate_s": t1 - t0,
+            "timing/generate_s": generate_s,
+            "timing/score_s": score_s,
             "timing/make_experience_s": t2 - t1,
             "timing/train_s": t3 - t2,
             "timing/sync_s": t4 - t3,
             "timing/iteration_s": t4 - t0,
-            "timing/generated_tokens_per_s": global_token_count(exp.mask) / (t1 - t0),
+            "timing/generated_tokens_per_s": tokens / generate_s,
         }
         | accelerator_memory_metrics()
     )
@@ -118,8 +103,7 @@ def main() -> int:
     eval_prompts = (
         load_fitting_prompts(cfg.data.eval_prompts, tokenizer, cfg, rank, True) if cfg.data.eval_prompts else []
     )
-    per_epoch = len(prompts) // cfg.rollout.prompts_per_iteration  # iterations per pass over the prompts
-    if per_epoch < 1:  # checked before the four models are loaded
+    if len(prompts) < cfg.rollout.prompts_per_iteration:  # checked before the four models are loaded
         raise DataFileError(
             f"{cfg.data.prompts}: {len(prompts)} usable prompts, fewer than rollout.prompts_per_iteration="
             f"{cfg.rollout.prompts_per_iteration}"
@@ -173,6 +157,14 @@ def main() -> int:
         cfg.ppo.old_logprobs_from, cfg.ppo.sampler_check_every, cfg.ppo.sampler_logprob_tolerance
     )
     run.track("old_logprobs", old_logprobs, rolls_back=False)
+    sampling = SamplingSettings(
+        cfg.rollout.samples_per_prompt, cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens
+    )
+    rounds = cfg.rollout.max_generation_rounds if cfg.rollout.dynamic_sampling else None
+    collector = RolloutCollector(
+        prompts, cfg.rollout.prompts_per_iteration, cfg.train.seed, sampler, sampling, scorers.run, tokenizer, rounds
+    )
+    run.track("rollout", collector, rolls_back=True)  # the prompt position and the groups waiting
     run.after_restore(partial(sampler.sync_weights, engines.actor.module))
     run.at_finish(sampler.close)
     run.at_finish(scorers.close)
@@ -201,9 +193,6 @@ def main() -> int:
             )
             + (f", resumed at iteration {run.step} from {run.resume_from}" if run.resume_from else "")
         )
-    sampling = SamplingSettings(
-        cfg.rollout.samples_per_prompt, cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens
-    )
     evaluator = (
         HeldOutEvaluator(
             eval_prompts,
@@ -218,7 +207,7 @@ def main() -> int:
         else None
     )
     evaluate = partial(held_out_eval, evaluator, sampler, engines, run, cfg.monitors.sample_rows)
-    per_rank, metrics = cfg.rollout.prompts_per_iteration // world, {}
+    metrics: dict[str, float] = {}
     try:
         if evaluator:
             evaluator.sample_reference(sampler, engines)
@@ -228,20 +217,12 @@ def main() -> int:
             act_on_flags(monitor.check_evaluation(0, first_eval), monitor, run, "warn")
             run.first_evaluation(first_eval["eval/reward"])
         while run.step < iterations:
-            # Data position is a function of the iteration: epoch, then the slice of its prompt order.
-            epoch, in_epoch = divmod(run.step, per_epoch)
-            start = in_epoch * cfg.rollout.prompts_per_iteration + rank * per_rank
-            batch_msgs = [
-                prompts[i] for i in epoch_order(len(prompts), cfg.train.seed, epoch)[start : start + per_rank]
-            ]
             metrics = ppo_iteration(
                 run.step,
-                batch_msgs,
+                collector,
                 sampler,
-                sampling,
                 engines,
-                scorers.run,
-                tokenizer,
+                tokenizer.pad_token_id,
                 experience,
                 update,
                 kl_coef=kl_ctl.value if cfg.ppo.use_kl_in_reward else 0.0,

@@ -134,7 +134,7 @@ def plot_kl(fig: Figure, run: Run) -> bool:
     return any(drawn)
 
 
-PHASES = ("timing/generate_s", "timing/make_experience_s", "timing/train_s", "timing/sync_s")
+PHASES = ("timing/generate_s", "timing/score_s", "timing/make_experience_s", "timing/train_s", "timing/sync_s")
 
 
 def plot_phase_time(fig: Figure, run: Run) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,10 +19,8 @@ from engine.ppo.monitors import within_prompt_diversity
 from engine.ppo.settings import ExperienceSettings
 
 if TYPE_CHECKING:
-    from engine.data.prompts import Prompt
+    from engine.ppo.collect import Rollout
     from engine.ppo.engines import HybridEngine
-    from engine.ppo.rewards import RewardScorer
-    from engine.rollout.sampler import Sample
 
 
 @dataclass
@@ -69,42 +67,40 @@ class Experience:
 
 @torch.no_grad()
 def make_experience(
-    samples: Sequence[Sample],
-    prompts: Sequence[Prompt],
+    rollout: Rollout,
     engines: HybridEngine,
-    scorer: RewardScorer,
-    tokenizer,
+    pad_token_id: int,
     settings: ExperienceSettings,
     *,
     kl_coef: float,
     old_logprobs_from_sampler: bool,
 ) -> tuple[Experience, dict[str, float]]:
-    """Score and evaluate one rank's samples (``prompts[i]`` is sample i's prompt, with the fields its
-    rewards read).
+    """One rank's scored samples (engine/ppo/collect.py) as experience.
 
-    Up to four forwards in packed micro-batches of at most ``settings.max_tokens``: actor and
+    Up to three forwards in packed micro-batches of at most ``settings.max_tokens``: actor and
     reference log-probs, critic values (``engines.critic`` None: a critic-free estimator, no
-    forward), reward-model scores (``scorer``); then the per-token KL to the reference
-    (``kl_coef`` 0: none in the reward) and the advantages
-    (:func:`engine.ppo.losses.estimate_advantages`; whitening over all ranks; the samples of a
-    prompt, ``settings.group_size`` of them, are contiguous). ``old_logprobs_from_sampler``: the
-    samples' own log-probs stand in for the actor's forward (:class:`OldLogprobSource`), and the
+    forward); then the per-token KL to the reference (``kl_coef`` 0: none in the reward) and the
+    advantages (:func:`engine.ppo.losses.estimate_advantages`; whitening over all ranks; the
+    samples of a prompt, ``settings.group_size`` of them, are contiguous). ``old_logprobs_from_sampler``:
+    the samples' own log-probs stand in for the actor's forward (:class:`OldLogprobSource`), and the
     sampler-actor gap is not measured. ``settings.tis_cap``: weight each token's policy loss by
     :func:`engine.ppo.losses.truncated_is_weights` of the actor's over the sampler's log-probs.
     ``settings.share_prompts``: the samples of a prompt compute it once in each forward (where the
-    model's attention allows; the scorer decides for the reward model).
+    model's attention allows).
     ``settings.values_from_update``: no critic forward here; the first critic step computes the
     values on the same weights and fills in values, advantages and returns
     (engine/ppo/update.update_on_rollout), zeros until then.
     Returns the experience and this rank's rollout statistics (means over its samples).
     """
-    pad = tokenizer.pad_token_id
+    samples, scores = rollout.samples, rollout.scores  # (B,) scores
     sequences = [s.prompt_ids + s.response_ids for s in samples]
     prompt_lens = [len(s.prompt_ids) for s in samples]
     T = max(len(s.response_ids) for s in samples)
     mask = pad_right([torch.ones(len(s.response_ids), dtype=torch.bool) for s in samples], T)  # (B, T)
     sampler_logprobs = pad_right([torch.tensor(s.logprobs) for s in samples], T)  # (B, T)
-    forward = dict(max_tokens=settings.max_tokens, pad_token_id=pad, share_prompts=settings.share_prompts)
+    forward: dict[str, Any] = dict(
+        max_tokens=settings.max_tokens, pad_token_id=pad_token_id, share_prompts=settings.share_prompts
+    )
     old_logprobs = (
         sampler_logprobs
         if old_logprobs_from_sampler
@@ -116,14 +112,6 @@ def make_experience(
         if engines.critic is not None and not settings.values_from_update
         else torch.zeros(len(samples), T)
     )  # (B, T)
-    texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
-    scores, parts = scorer.score(
-        [p.messages for p in prompts],
-        texts,
-        [s.finished for s in samples],
-        [len(s.response_ids) for s in samples],
-        [p.fields for p in prompts],
-    )  # (B,)
     kl = kl_penalty(old_logprobs, ref_logprobs, settings.kl_estimator) * mask
     rewards = token_rewards(scores, kl, mask, kl_coef)
     advantages, returns = (
@@ -168,7 +156,7 @@ def make_experience(
         "distinct_within_prompt": within_prompt_diversity(
             [s.response_ids for s in samples], settings.group_size, settings.distinct_n
         ),
-        **{k: v.mean().item() for k, v in parts.items()},
+        **{k: v.mean().item() for k, v in rollout.parts.items()},
     }
     if not old_logprobs_from_sampler:
         stats["sampler_logprob_gap"] = masked_mean((sampler_logprobs - old_logprobs).abs(), mask).item()

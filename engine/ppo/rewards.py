@@ -17,8 +17,10 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.data.chat import tokenize_pairs
 from engine.data.packing import last_token, packed_forward
+from engine.data.prompts import Prompt
 from engine.ppo.forwards import map_micro_batches
 from engine.rewards.components import ComponentScores, RewardComponents, RewardsUnavailable, ScoringBatch
+from engine.rollout.sampler import Sample
 from engine.run.distributed import all_reduce
 from engine.run_config.rewards import RewardModelSection, RewardsSection
 
@@ -107,6 +109,18 @@ class RewardScorer:
                 parts[f"reward/{name}/timeouts"] = torch.full((len(responses),), s.timeouts / max(len(responses), 1))
         total = total + self.rewards.no_eos_penalty * (~torch.tensor(list(finished), dtype=torch.bool)).float()
         return total.clamp(-self.rewards.clip, self.rewards.clip), parts
+
+    def score_samples(
+        self, samples: Sequence[Sample], prompts: Sequence[Prompt], tokenizer
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """:meth:`score` of sampled responses (``prompts[i]``: sample i's prompt, with its fields)."""
+        return self.score(
+            [p.messages for p in prompts],
+            [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples],
+            [s.finished for s in samples],
+            [len(s.response_ids) for s in samples],
+            [p.fields for p in prompts],
+        )
 
     def _components(self, batch: ScoringBatch) -> dict[str, ComponentScores]:
         """The components' scores, once every rank knows none of them is unavailable."""

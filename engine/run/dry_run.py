@@ -271,7 +271,7 @@ def ppo_plan(cfg, prompts: list, eval_prompts: list, tokenizer, ds_config: dict[
 
 
 def objective_terms(cfg) -> str:
-    """The policy objective, in words: advantages, ratio and clip, aggregation, KL."""
+    """The policy objective, in words: advantages, ratio and clip, aggregation, KL, dynamic sampling."""
     p = cfg.ppo
     dr_grpo = p.advantage_estimator == "grpo" and not p.grpo_std_scaling
     advantages = p.advantage_estimator + (" without std scaling (Dr. GRPO)" if dr_grpo else "")
@@ -284,6 +284,11 @@ def objective_terms(cfg) -> str:
         + f"; {p.loss_aggregation}"
         + (", truncated responses masked" if p.mask_truncated else "")
         + f"; KL {' and '.join(kl) or 'none'}"
+        + (
+            f"; dynamic sampling (up to {cfg.rollout.max_generation_rounds} generation rounds)"
+            if cfg.rollout.dynamic_sampling
+            else ""
+        )
     )
 
 

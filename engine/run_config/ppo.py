@@ -50,6 +50,17 @@ class RolloutSection(Config):
     temperature: float = option(1.0, "sampling temperature", gt=0)
     top_p: float = option(1.0, "nucleus sampling threshold", gt=0, le=1)
     max_new_tokens: int = option(64, "response length limit", ge=1)
+    dynamic_sampling: bool = option(
+        False,
+        "drop the prompts whose samples all score the same (no signal under grpo and rloo) and sample more prompts "
+        "until the batch is full; groups found beyond it wait for the next iteration (DAPO's dynamic sampling)",
+    )
+    max_generation_rounds: int = option(
+        4,
+        "with dynamic_sampling: generation rounds per iteration at most; a batch still short is filled with dropped "
+        "groups (ppo/filled_groups)",
+        ge=1,
+    )
     vllm_kv_cache_mb: int = option(128, "CPU: vLLM KV-cache size per rank", ge=1)
     vllm_max_model_len: int = option(1024, "vLLM context length (prompt + response)", ge=2)
     vllm_gpu_memory_utilization: float = option(
@@ -251,6 +262,11 @@ class PPOConfig(Config):
             raise ConfigError(
                 f"ppo.advantage_estimator {estimator} compares the samples of a prompt: "
                 "set rollout.samples_per_prompt >= 2"
+            )
+        if self.rollout.dynamic_sampling and estimator not in ("grpo", "rloo"):
+            raise ConfigError(
+                f"rollout.dynamic_sampling drops the prompts whose samples score alike, which carry no signal under a "
+                f"group estimator; ppo.advantage_estimator {estimator} still learns from them: set grpo or rloo"
             )
         if not self.has_critic() and self.critic.warmup_iterations:
             raise ConfigError(

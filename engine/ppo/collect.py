@@ -1,0 +1,196 @@
+"""One rank's rollout of a PPO iteration: its prompts drawn in order, sampled and scored
+(:class:`RolloutCollector`), with DAPO's dynamic sampling (Yu et al. 2025, "DAPO: an open-source
+LLM reinforcement learning system at scale", section 3.2).
+
+Under a group estimator (grpo, rloo) a prompt whose samples all score the same has zero advantage
+and gives no gradient. Dynamic sampling drops such groups and draws more prompts, up to
+``max_rounds`` generation rounds, until every rank holds its share of groups with signal; groups
+found beyond a rank's share wait for the next iteration (checkpointed, so a resume repeats the
+run), and a batch still short after the last round is filled with dropped groups (counted).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.data.batching import epoch_order
+from engine.data.chat import prompt_ids
+from engine.rollout.sampler import Sample
+from engine.run.distributed import all_reduce
+
+if TYPE_CHECKING:
+    from engine.data.prompts import Prompt
+    from engine.ppo.rewards import RewardScorer
+    from engine.rollout.sampler import SamplingSettings
+
+
+@dataclass
+class Group:
+    """The samples of one prompt, scored."""
+
+    prompt: int  # index of the prompt in the run's prompt list
+    samples: list[Sample]
+    scores: torch.Tensor  # (n,)
+    parts: dict[str, torch.Tensor]  # the score's parts, each (n,)
+
+
+@dataclass
+class Rollout:
+    """One rank's scored samples; the samples of a prompt are contiguous."""
+
+    samples: list[Sample]
+    prompts: list[Prompt]  # prompts[i]: sample i's prompt
+    scores: torch.Tensor  # (B,)
+    parts: dict[str, torch.Tensor]  # each (B,): reward/<name> for the logs
+
+
+def has_signal(scores: torch.Tensor) -> bool:
+    """Whether a group's (n,) scores differ anywhere: a group scored alike has zero group-relative
+    advantage (DAPO keeps groups with 0 < accuracy < 1; for real-valued scores, std > 0)."""
+    return bool((scores != scores[0]).any())
+
+
+def fill_batch(kept: list[Group], dropped: list[Group], share: int) -> tuple[list[Group], list[Group], int]:
+    """(the batch, the groups left waiting, how many dropped groups filled it): the first ``share``
+    groups with signal, the next ``share`` at most wait; a batch still short takes dropped groups."""
+    batch, waiting = kept[:share], kept[share : 2 * share]
+    filler = dropped[: share - len(batch)]
+    return batch + filler, waiting, len(filler)
+
+
+class RolloutCollector:
+    """Draws this rank's prompts in order and samples and scores them.
+
+    The prompt order is epoch by epoch (``epoch_order`` of the seed), ``prompts_per_iteration`` per
+    draw over all ranks, this rank's consecutive slice of each; the draw count is the position, and
+    draw d samples with seed ``d * world + rank``. Without dynamic sampling there is one draw per
+    iteration. Checkpointed (the position and the waiting groups)."""
+
+    def __init__(
+        self,
+        prompts: Sequence[Prompt],
+        prompts_per_iteration: int,
+        seed: int,
+        sampler,
+        sampling: SamplingSettings,
+        scorer: RewardScorer,
+        tokenizer,
+        max_rounds: int | None,
+    ):
+        self.prompts, self.per_draw, self.seed = prompts, prompts_per_iteration, seed
+        self.sampler, self.sampling, self.scorer, self.tokenizer = sampler, sampling, scorer, tokenizer
+        self.max_rounds = max_rounds  # None: no dynamic sampling
+        self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        self.share = prompts_per_iteration // self.world
+        self.draws_per_epoch = len(prompts) // prompts_per_iteration
+        self.draws = 0
+        self.waiting: list[Group] = []
+
+    def collect(self) -> tuple[Rollout, dict[str, float]]:
+        """This iteration's rollout and statistics: ``generate_s``, ``score_s``, ``generated_tokens``
+        (all ranks); with dynamic sampling also ``kept_share`` (groups with signal / groups drawn, all
+        ranks), ``generation_rounds``, ``filled_groups`` (dropped groups trained for want of others),
+        ``waiting_groups`` and ``sampled_score`` (mean over every sample drawn, kept or not). A
+        collective. Nothing changes when scoring raises (the iteration repeats on resume)."""
+        draws, rounds, timing = self.draws, 0, {"generate_s": 0.0, "score_s": 0.0}
+        if self.max_rounds is None:
+            batch, draws, rounds = self._draw(draws, timing), draws + 1, 1
+            drawn, waiting, filled = batch, list[Group](), 0
+        else:
+            kept, dropped, drawn = list(self.waiting), [], []
+            while rounds < self.max_rounds and self._short_anywhere(len(kept)):
+                new = self._draw(draws, timing)
+                draws, rounds, drawn = draws + 1, rounds + 1, drawn + new
+                kept += [g for g in new if has_signal(g.scores)]
+                dropped += [g for g in new if not has_signal(g.scores)]
+            batch, waiting, filled = fill_batch(kept, dropped, self.share)
+        self.draws, self.waiting = draws, waiting
+        stats = timing | self._counts(drawn, rounds, waiting, filled)
+        return (
+            Rollout(
+                [s for g in batch for s in g.samples],
+                [self.prompts[g.prompt] for g in batch for _ in g.samples],
+                torch.cat([g.scores for g in batch]),
+                {k: torch.cat([g.parts[k] for g in batch]) for k in batch[0].parts},
+            ),
+            stats,
+        )
+
+    def _short_anywhere(self, kept: int) -> bool:
+        """Whether some rank holds fewer than its share of groups with signal (a collective)."""
+        return bool(all_reduce(torch.tensor([max(self.share - kept, 0)])).item())
+
+    def _draw(self, draw: int, timing: dict[str, float]) -> list[Group]:
+        """Sample and score this rank's slice of draw ``draw`` (a collective: the scorer's)."""
+        epoch, in_epoch = divmod(draw, self.draws_per_epoch)
+        start = in_epoch * self.per_draw + self.rank * self.share
+        indices = [int(i) for i in epoch_order(len(self.prompts), self.seed, epoch)[start : start + self.share]]
+        t0 = time.perf_counter()
+        groups = self.sampler.generate(
+            [prompt_ids(self.tokenizer, self.prompts[i].messages) for i in indices],
+            self.sampling,
+            request_seed=draw * self.world + self.rank,
+        )
+        self.sampler.sleep()  # GPU: its memory goes to the scoring, experience forwards and training
+        t1 = time.perf_counter()
+        samples = [s for group in groups for s in group]
+        scores, parts = self.scorer.score_samples(
+            samples, [self.prompts[i] for i, group in zip(indices, groups) for _ in group], self.tokenizer
+        )
+        timing["generate_s"] += t1 - t0
+        timing["score_s"] += time.perf_counter() - t1
+        n = self.sampling.n
+        return [
+            Group(
+                i, groups[k], scores[k * n : (k + 1) * n], {name: v[k * n : (k + 1) * n] for name, v in parts.items()}
+            )
+            for k, i in enumerate(indices)
+        ]
+
+    def _counts(self, drawn: list[Group], rounds: int, waiting: list[Group], filled: int) -> dict[str, float]:
+        """The statistics summed over the ranks (see :meth:`collect`); NaN for shares of nothing (an
+        iteration whose every rank had its share waiting draws no prompt)."""
+        scores = torch.cat([g.scores for g in drawn]) if drawn else torch.zeros(0)
+        sums = torch.tensor(
+            [
+                sum(len(s.response_ids) for g in drawn for s in g.samples),
+                len(drawn),
+                sum(has_signal(g.scores) for g in drawn),
+                filled,
+                len(waiting),
+                float(scores.sum()),
+                len(scores),
+            ],
+            dtype=torch.float64,
+        )
+        tokens, groups, signal, filled_all, waiting_all, score_sum, samples = all_reduce(sums).tolist()
+        if self.max_rounds is None:
+            return {"generated_tokens": tokens}
+        return {
+            "generated_tokens": tokens,
+            "kept_share": signal / groups if groups else float("nan"),
+            "generation_rounds": float(rounds),
+            "filled_groups": filled_all,
+            "waiting_groups": waiting_all,
+            "sampled_score": score_sum / samples if samples else float("nan"),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "draws": self.draws,
+            "waiting": [
+                {"prompt": g.prompt, "samples": [asdict(s) for s in g.samples], "scores": g.scores, "parts": g.parts}
+                for g in self.waiting
+            ],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.draws = state["draws"]
+        self.waiting = [
+            Group(g["prompt"], [Sample(**s) for s in g["samples"]], g["scores"], g["parts"]) for g in state["waiting"]
+        ]
