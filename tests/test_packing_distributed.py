@@ -59,7 +59,8 @@ def test_zero3_packed_step_equals_padded_full_batch_gradient(two_rank_run, tiny_
 
 
 def test_shared_prompts_give_the_whole_sequence_gradient_on_two_ranks_under_zero2_and_zero3(tiny_model_dir, rm_data):
-    """Reward-model pairs and PPO groups (actor and critic steps, experience log-probs)."""
+    """Reward-model pairs and PPO groups (actor and critic steps, experience log-probs); the actor
+    step under each loss aggregation on two ranks against one process's whole-batch gradient."""
     cmd = [
         *launcher_cmd(2),
         str(REPO / "tests" / "scripts" / "shared_prompt_steps.py"),
@@ -76,3 +77,6 @@ def test_shared_prompts_give_the_whole_sequence_gradient_on_two_ranks_under_zero
         assert ppo["tokens"]["shared"] < 0.8 * ppo["tokens"]["plain"] and ppo["logprob_gap"] < 1e-5, report
         for model in ("actor", "critic"):
             assert ppo[model]["update"] > 1e-3 and ppo[model]["weight_diff"] < 1e-6, report
+    # Each loss aggregation: two ranks' packed, micro-batched step = one process's whole-batch gradient.
+    for aggregation, step in report["aggregation"].items():
+        assert step["grad"] > 1e-3 and step["gap"] < 1e-6, (aggregation, step)

@@ -9,15 +9,19 @@ step (lr 1, no clipping: ``before - after`` is the averaged gradient) of
   and backpropagates the BT loss;
 - PPO's actor and critic (engine/ppo/update.actor_step, critic_step) on this rank's samples,
   three per prompt, their prompt packed once or with every sample; the old log-probs come from
-  an experience forward (engine/ppo/forwards.sequence_logprobs), computed both ways.
+  an experience forward (engine/ppo/forwards.sequence_logprobs), computed both ways;
+- and, under ZeRO-3 with shared prompts, the actor step under each ``ppo.loss_aggregation``
+  against one process's gradient of the whole batch's aggregated loss.
 Rank 0 prints one JSON line: per model and stage the largest weight difference between the two
 packings after the step and the largest update, the largest log-prob gap of the experience
-forwards, and the tokens each packing computed.
+forwards, the tokens each packing computed, and per aggregation the largest gap to the one-process
+gradient and the largest gradient.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import torch
 from sgd_engine import full_weights, launched_args, sgd_engine
@@ -29,8 +33,9 @@ from engine.data.preferences import collate_pairs, load_preferences
 from engine.models.loading import load_causal_lm, load_value_model
 from engine.ppo.experience import Experience
 from engine.ppo.forwards import micro_batches, pad_right, sequence_logprobs
+from engine.ppo.losses import aggregation_weights
 from engine.ppo.settings import PolicyLossSettings, UpdateSettings
-from engine.ppo.update import actor_step, critic_step
+from engine.ppo.update import actor_step, actor_token_loss, critic_step
 from engine.rm.losses import pair_losses
 from engine.rm.reward_model import score_pairs
 from engine.run.distributed import all_reduce, shutdown_distributed
@@ -102,6 +107,20 @@ def experience(sequences, prompt_lens, old_logprobs: list[torch.Tensor], rank: i
     )
 
 
+def ppo_settings(samples: int, share: bool) -> UpdateSettings:
+    return UpdateSettings(
+        policy=SETTINGS,
+        value_weights=torch.ones(1),
+        value_clip=0.2,
+        ppo_epochs=1,
+        mini_batch_size=samples,  # the steps take the whole experience (update_on_rollout cuts it)
+        max_tokens=MAX_TOKENS,
+        pad_token_id=0,
+        seed=0,
+        share_prompts=share,
+    )
+
+
 def ppo_step(model_dir: str, stage: int, rank: int, share: bool, samples) -> dict:
     """Weights of the actor and the critic before and after one step, the largest gap between the
     old log-probs with and without sharing (the experience is built from the unshared ones), the
@@ -115,17 +134,7 @@ def ppo_step(model_dir: str, stage: int, rank: int, share: bool, samples) -> dic
     gap = (torch.cat(old) - torch.cat(old_shared)).abs().max().reshape(1)
     exp = experience(sequences, prompt_lens, old, rank)
     before = {"actor": full_weights(actor), "critic": full_weights(critic)}
-    settings = UpdateSettings(
-        policy=SETTINGS,
-        value_weights=torch.ones(1),
-        value_clip=0.2,
-        ppo_epochs=1,
-        mini_batch_size=len(sequences),  # the steps take the whole experience (update_on_rollout cuts it)
-        max_tokens=MAX_TOKENS,
-        pad_token_id=0,
-        seed=0,
-        share_prompts=share,
-    )
+    settings = ppo_settings(len(sequences), share)
     actor_step(actor, exp, settings, iteration=0)
     critic_step(critic, exp, settings)
     after = {"actor": full_weights(actor), "critic": full_weights(critic)}
@@ -136,6 +145,54 @@ def ppo_step(model_dir: str, stage: int, rank: int, share: bool, samples) -> dic
     all_reduce(gap, op=torch.distributed.ReduceOp.MAX)
     del keep_actor, keep_critic
     return {"before": before, "after": after, "gap": gap.item(), "tokens": int(tokens.item())}
+
+
+def gathered(exp: Experience) -> Experience:
+    """Every rank's experience as one batch (rank order), padded to the longest response."""
+    parts: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, exp)
+    T = max(e.mask.shape[1] for e in parts)
+    pad = lambda t: torch.nn.functional.pad(t, (0, T - t.shape[1])) if t.dim() == 2 else t
+    fields = {
+        f: torch.cat([pad(getattr(e, f)) for e in parts]) for f in vars(exp) if f not in ("sequences", "prompt_lens")
+    }
+    return Experience([s for e in parts for s in e.sequences], [p for e in parts for p in e.prompt_lens], **fields)
+
+
+def aggregation_gap(model_dir: str, rank: int, samples, aggregation: str) -> dict[str, float]:
+    """One ZeRO-3 actor step on every rank's own samples under ``aggregation``, against the
+    gradient of the whole batch's aggregated loss in one process, from whole-sequence forwards
+    of a plain model: the largest difference, and the largest gradient (rank 0's figures)."""
+    torch.manual_seed(0)
+    actor, keep_alive = sgd_engine(lambda: load_causal_lm(model_dir), 3)
+    sequences, prompt_lens = samples
+    with torch.no_grad():
+        old = sequence_logprobs(actor, sequences, prompt_lens, MAX_TOKENS, 0, True)
+    exp = experience(sequences, prompt_lens, old, rank)
+    policy = replace(SETTINGS, aggregation=aggregation, norm_tokens=16)
+    before = full_weights(actor)
+    actor_step(actor, exp, replace(ppo_settings(len(sequences), True), policy=policy), iteration=0)
+    after = full_weights(actor)
+    del keep_alive
+    whole = gathered(exp)
+    if rank != 0:
+        return {}
+    model = load_causal_lm(model_dir)
+    logprob_rows, entropy_rows = [], []
+    for seq, p in zip(whole.sequences, whole.prompt_lens):
+        logits = model(input_ids=torch.tensor([seq]), use_cache=False).logits[0, p - 1 : -1].float()  # (R, V)
+        logp = logits.log_softmax(-1)
+        logprob_rows.append(logp.gather(-1, torch.tensor(seq[p:])[:, None]).squeeze(-1))
+        entropy_rows.append(-(logp.exp() * logp).sum(-1))
+    T = whole.mask.shape[1]
+    loss = actor_token_loss(pad_right(logprob_rows, T), pad_right(entropy_rows, T), whole, policy).per_token
+    S, N = int(whole.mask.any(1).sum()), int(whole.mask.sum())
+    (loss * aggregation_weights(whole.mask, aggregation, S, N, policy.norm_tokens)).sum().backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    return {
+        "gap": max((before[n] - after[n] - grads[n]).abs().max().item() for n in grads),
+        "grad": max(g.abs().max().item() for g in grads.values()),
+    }
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -172,6 +229,10 @@ def main() -> None:
                 for m in ("actor", "critic")
             },
         }
+    report["aggregation"] = {
+        a: aggregation_gap(args.model, rank, samples, a)
+        for a in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+    }
     if rank == 0:
         print(json.dumps(report), flush=True)
 
