@@ -1,8 +1,9 @@
 """DAPO's dynamic sampling (rollout.dynamic_sampling, engine/ppo/collect.py) on a task where half the
 prompts' samples all score the same: those groups are dropped and more prompts drawn until every
 optimizer step sees a full batch of groups with signal; the kept share is logged; groups found beyond
-the batch wait in the checkpoint, and a resume from it repeats the run. The rollouts come from HF
-generate on the actor (vLLM's own tests are elsewhere)."""
+the batch wait in the checkpoint, and a resume from it repeats the run. Two ranks, each filling its
+own share (a round runs while any rank is short). The rollouts come from HF generate on the actor
+(vLLM's own tests are elsewhere)."""
 
 from __future__ import annotations
 
@@ -105,7 +106,7 @@ def test_the_plan_names_dynamic_sampling(task, tiny_model_dir, capsys):
 
 def test_every_step_trains_a_full_batch_of_groups_with_signal_and_a_resume_repeats_the_run(task, tmp_path):
     env = {"PYTHONPATH": str(task)}
-    launch("train_ppo.py", task / "ppo.json", env=env)
+    launch("train_ppo.py", task / "ppo.json", env=env, ranks=2)
     run = task / "run"
     steps = list(range(1, ITERATIONS + 1))
     # No "same" prompt is trained on (is_same is 0 over the batch); no batch was filled with one.
@@ -120,9 +121,12 @@ def test_every_step_trains_a_full_batch_of_groups_with_signal_and_a_resume_repea
     assert all(sampled[s] > score[s] for s in steps), (sampled, score)
     # What the step-2 checkpoint holds: the prompt position and the groups found beyond the batch.
     waiting = metric_series(run, "ppo/waiting_groups")
-    saved = torch.load(run / "checkpoints" / "step00000002" / "trainer_state_rank0.pt", weights_only=False)
-    assert len(saved["rollout"]["waiting"]) == waiting[2] > 0, waiting
-    assert saved["rollout"]["draws"] == sum(rounds[s] for s in (1, 2))
+    saved = [
+        torch.load(run / "checkpoints" / "step00000002" / f"trainer_state_rank{r}.pt", weights_only=False)["rollout"]
+        for r in (0, 1)
+    ]
+    assert sum(len(rank["waiting"]) for rank in saved) == waiting[2] > 0, waiting
+    assert saved[0]["draws"] == saved[1]["draws"] == sum(rounds[s] for s in (1, 2))  # every rank draws in every round
 
     # A copy resumed from the step-2 checkpoint (the last: the run ends with its export) repeats steps 3 and 4.
     shutil.copytree(run, tmp_path / "run")
@@ -132,7 +136,7 @@ def test_every_step_trains_a_full_batch_of_groups_with_signal_and_a_resume_repea
     shutil.rmtree(tmp_path / "run" / "actor")
     metrics = tmp_path / "run" / "metrics.jsonl"
     metrics.write_text("".join(line for line in metrics.read_text().splitlines(True) if json.loads(line)["step"] <= 2))
-    resumed = launch("train_ppo.py", tmp_path / "ppo.json", "--resume", env=env)
+    resumed = launch("train_ppo.py", tmp_path / "ppo.json", "--resume", env=env, ranks=2)
     assert "resumed at iteration 2" in resumed.stdout
     for key in ("ppo/pg_loss", "ppo/score", "ppo/kept_share", "ppo/sampled_score", "ppo/waiting_groups"):
         assert_repeats(metric_series(tmp_path / "run", key), metric_series(run, key), range(3, ITERATIONS + 1))
