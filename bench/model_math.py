@@ -26,8 +26,8 @@ import pyarrow.parquet as pq
 import torch
 
 from engine.data.packing import pack_sequences, packed_forward
+from engine.data.response_tokens import response_logprobs
 from engine.models.loading import load_causal_lm, load_value_model
-from engine.ppo.forwards import response_logprobs
 
 PROMPTS_PER_ITERATION, NEW_TOKENS = 16, 64
 

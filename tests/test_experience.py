@@ -12,11 +12,12 @@ from transformers import AutoTokenizer
 from engine.data import packing
 from engine.data.packing import packed_forward
 from engine.data.prompts import Prompt
+from engine.data.response_tokens import response_logprobs
 from engine.models.loading import load_causal_lm, load_value_model
 from engine.ppo.collect import Rollout
 from engine.ppo.engines import HybridEngine
 from engine.ppo.experience import OldLogprobSource, make_experience
-from engine.ppo.forwards import micro_batches, response_logprobs, response_values
+from engine.ppo.forwards import micro_batches, response_values
 from engine.ppo.rewards import RewardModelScorer, RewardScorer
 from engine.ppo.settings import ExperienceSettings, GaeSettings
 from engine.rollout.sampler import Sample

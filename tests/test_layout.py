@@ -7,8 +7,8 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-# Lowest first. A module may import from its own layer's package and from layers below it; sft, rm
-# and ppo are peers that never import each other. engine/config.py and the engine/run_config/ package (the
+# Lowest first. A module may import from its own layer's package and from layers below it; sft, rm,
+# ppo and dpo are peers that never import each other. engine/config.py and the engine/run_config/ package (the
 # config schema) sit under everything; train/ sits on top. The models (loading, LoRA, DeepSpeed engines) sit under the
 # run (process group, launch, lifecycle, checkpoints, guards) that drives them.
 LAYERS = [
@@ -19,7 +19,7 @@ LAYERS = [
     ("engine.run",),
     ("engine.rollout",),
     ("engine.rewards",),
-    ("engine.sft", "engine.rm", "engine.ppo"),
+    ("engine.sft", "engine.rm", "engine.ppo", "engine.dpo"),
     ("train",),
 ]
 

@@ -17,8 +17,8 @@ from engine.data.packing import (
     pack_sequences,
     packed_forward,
 )
+from engine.data.response_tokens import response_logprobs
 from engine.models.loading import load_causal_lm, load_value_model, resolve_attention
-from engine.ppo.forwards import response_logprobs
 
 LENGTHS = [7, 1, 23, 12, 2, 30, 9]
 ATTENTION = ["sdpa_varlen", "sdpa", "eager"]

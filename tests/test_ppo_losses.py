@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from engine.data.response_tokens import entropy_from_logits
 from engine.ppo.losses import (
     AdaptiveKLController,
     FixedKLController,
@@ -14,7 +15,6 @@ from engine.ppo.losses import (
     clipped_policy_loss,
     clipped_value_loss,
     dual_clip_policy_loss,
-    entropy_from_logits,
     estimate_advantages,
     gae,
     grpo_advantages,

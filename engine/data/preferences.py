@@ -24,6 +24,7 @@ class PreferenceExample:
     margin: float  # 0.0 where the data gives none
     labels: tuple[int, ...]  # per configured component: +1 chosen better, -1 rejected better, 0 unlabelled
     shared_prefix: int = 0  # leading tokens packed once for both (engine/data/packing.pack_shared); 0: none shared
+    prompt_len: int = 0  # leading tokens of both that are the prompt: the responses start there (DPO's log-probs)
 
     @property
     def num_tokens(self) -> int:
@@ -56,7 +57,9 @@ def load_preferences(
     for start in range(0, len(rows), chunk):
         part = rows[start : start + chunk]
         prompts = [r["prompt"] for r in part] * 2
-        _, full = tokenize_pairs(tokenizer, prompts, [r["chosen"] for r in part] + [r["rejected"] for r in part])
+        prompt_ids, full = tokenize_pairs(
+            tokenizer, prompts, [r["chosen"] for r in part] + [r["rejected"] for r in part]
+        )
         for i, r in enumerate(part):
             labels = dict(r["components"] or [])
             examples.append(
@@ -66,6 +69,7 @@ def load_preferences(
                     margin=float(r["margin"]) if use_margin and r["margin"] is not None else 0.0,
                     labels=tuple(int(labels.get(name, 0)) for name in components),
                     shared_prefix=shared_prefix_length(full[i], full[len(part) + i]) if share_prompt else 0,
+                    prompt_len=len(prompt_ids[i]),
                 )
             )
     if len(components) > 1:

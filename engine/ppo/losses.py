@@ -252,13 +252,6 @@ def clipped_value_loss(
     return PolicyLoss(0.5 * torch.maximum(unclipped, clipped), clipped > unclipped)
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """(..., V) -> (...) entropy of the softmax, in float32."""
-    logits = logits.float()
-    logp = torch.log_softmax(logits, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
 class FixedKLController:
     """kl_coef stays constant."""
 

@@ -13,8 +13,9 @@ import sys
 import torch
 
 from engine.data.packing import last_token, pack_sequences, packed_forward
+from engine.data.response_tokens import response_logprobs
 from engine.models.loading import load_causal_lm, load_value_model, resolve_attention
-from engine.ppo.forwards import response_logprobs, response_values
+from engine.ppo.forwards import response_values
 from engine.rollout.sampler import HFSampler, SamplingSettings
 from engine.run.checkpoint import rng_state, set_rng_state
 from engine.run.distributed import all_reduce
