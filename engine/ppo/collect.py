@@ -102,12 +102,12 @@ class RolloutCollector:
             batch, draws, rounds = self._draw(draws, timing), draws + 1, 1
             drawn, waiting, filled = batch, list[Group](), 0
         else:
-            kept, dropped, drawn = list(self.waiting), [], []
+            kept, dropped, drawn = list(self.waiting), list[Group](), list[Group]()
             while rounds < self.max_rounds and self._short_anywhere(len(kept)):
                 new = self._draw(draws, timing)
                 draws, rounds, drawn = draws + 1, rounds + 1, drawn + new
-                kept += [g for g in new if has_signal(g.scores)]
-                dropped += [g for g in new if not has_signal(g.scores)]
+                for g in new:
+                    (kept if has_signal(g.scores) else dropped).append(g)
             batch, waiting, filled = fill_batch(kept, dropped, self.share)
         self.draws, self.waiting = draws, waiting
         stats = timing | self._counts(drawn, rounds, waiting, filled)
@@ -153,9 +153,9 @@ class RolloutCollector:
         ]
 
     def _counts(self, drawn: list[Group], rounds: int, waiting: list[Group], filled: int) -> dict[str, float]:
-        """The statistics summed over the ranks (see :meth:`collect`); NaN for shares of nothing (an
-        iteration whose every rank had its share waiting draws no prompt)."""
-        scores = torch.cat([g.scores for g in drawn]) if drawn else torch.zeros(0)
+        """The statistics summed over the ranks (see :meth:`collect`). Every iteration draws at least
+        once: the ranks that needed the last round keep fewer than their share waiting."""
+        scores = torch.cat([g.scores for g in drawn])
         sums = torch.tensor(
             [
                 sum(len(s.response_ids) for g in drawn for s in g.samples),
@@ -173,11 +173,11 @@ class RolloutCollector:
             return {"generated_tokens": tokens}
         return {
             "generated_tokens": tokens,
-            "kept_share": signal / groups if groups else float("nan"),
+            "kept_share": signal / groups,
             "generation_rounds": float(rounds),
             "filled_groups": filled_all,
             "waiting_groups": waiting_all,
-            "sampled_score": score_sum / samples if samples else float("nan"),
+            "sampled_score": score_sum / samples,
         }
 
     def state_dict(self) -> dict[str, Any]:
