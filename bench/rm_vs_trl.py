@@ -60,6 +60,31 @@ def run(cmd: list[str], **env: str) -> str:
 SETTINGS = {"hh": (1, 8, 1e-4), "synthetic": (2, 32, 1e-3)}
 
 
+def prepare_pairs(work: Path, data_set: str) -> tuple[Path, Path, dict]:
+    """The tiny model (byte-BPE on the data's text) and the prepared pairs (20% of the prompts held
+    out, sequences <= 512 tokens) of ``data_set`` (hh or synthetic) under ``work``: (model, data,
+    prepare_preferences' summary)."""
+    model, data, source = work / "tiny", work / "data", HH
+    py = sys.executable
+    if data_set == "synthetic":
+        source = work / "pairs.jsonl"
+        run([py, "-m", "data_prep.synthetic_task", "--out", str(source), "--num-pairs", "2500", "--seed", "0"])
+    run(
+        [
+            *(py, "-m", "data_prep.make_tiny_model", "--text", str(source), "--out", str(model)),
+            *("--vocab-size", "4096", "--num-layers", "4"),
+        ]
+    )
+    run(
+        [
+            *(py, "-m", "data_prep.prepare_preferences", "--input", str(source), "--tokenizer", str(model)),
+            *("--out", str(data), "--max-length", "512", "--max-prompt-length", "512"),
+            *("--validation-fraction", "0.2"),
+        ]
+    )
+    return model, data, json.loads((data / "summary.json").read_text())
+
+
 def run_ours(work: Path, model: Path, data: Path, epochs: int, per_step: int, lr: float) -> dict:
     config = {
         "model": {"path": str(model)},
@@ -90,46 +115,7 @@ def main() -> int:
     peer_python = ensure_peer_venv(Path(args.peer_venv))
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model, data, source = work / "tiny", work / "data", HH
-        py = sys.executable
-        if args.data == "synthetic":
-            source = work / "pairs.jsonl"
-            run([py, "-m", "data_prep.synthetic_task", "--out", str(source), "--num-pairs", "2500", "--seed", "0"])
-        run(
-            [
-                py,
-                "-m",
-                "data_prep.make_tiny_model",
-                "--text",
-                str(source),
-                "--out",
-                str(model),
-                "--vocab-size",
-                "4096",
-                "--num-layers",
-                "4",
-            ]
-        )
-        run(
-            [
-                py,
-                "-m",
-                "data_prep.prepare_preferences",
-                "--input",
-                str(source),
-                "--tokenizer",
-                str(model),
-                "--out",
-                str(data),
-                "--max-length",
-                "512",
-                "--max-prompt-length",
-                "512",
-                "--validation-fraction",
-                "0.2",
-            ]
-        )
-        summary = json.loads((data / "summary.json").read_text())
+        model, data, summary = prepare_pairs(work, args.data)
         ours = run_ours(work, model, data, epochs, per_step, lr)
         trl_out = run(
             [

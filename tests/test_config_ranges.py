@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from engine.config import DS_CONFIGS_DIR, Config, ConfigError, build_config, config_to_dict
-from engine.run_config import SCRIPT_CONFIGS, PPOConfig, RewardModelConfig, SFTConfig, schemas
+from engine.run_config import SCRIPT_CONFIGS, DPOConfig, PPOConfig, RewardModelConfig, SFTConfig, schemas
 
 DS = {"zero_optimization": {"stage": 3}}
 MINIMAL = {
@@ -28,6 +28,11 @@ MINIMAL = {
         "actor": {"path": "a"},
         "reward_model": {"path": "r"},
         "data": {"prompts": "p.parquet"},
+        "deepspeed": DS,
+    },
+    DPOConfig: {
+        "model": {"path": "m"},
+        "data": {"train": "t.parquet", "validation": "v.parquet"},
         "deepspeed": DS,
     },
 }
@@ -230,6 +235,22 @@ def test_critic_free_estimators_and_lora_refuse_what_they_cannot_do(overrides, m
     assert message in str(refused.value)
     fine = MINIMAL[PPOConfig] | {"ppo": {"advantage_estimator": "grpo"}, "rollout": {"samples_per_prompt": 4}}
     assert build_config(PPOConfig, fine, source="run.json").ppo.advantage_estimator == "grpo"
+
+
+def test_preference_loss_options_follow_the_loss():
+    """Each loss's default beta (and SimPO's gamma); an option of another loss is refused by name."""
+    build = lambda dpo: build_config(DPOConfig, MINIMAL[DPOConfig] | {"dpo": dpo}, source="run.json").dpo
+    assert build({}).beta == 0.1 and build({"loss": "ipo"}).beta == 0.1
+    simpo = build({"loss": "simpo"})
+    assert (simpo.beta, simpo.simpo_gamma, simpo.uses_reference()) == (2.0, 1.0, False)
+    for dpo, message in (
+        ({"loss": "ipo", "label_smoothing": 0.1}, "dpo: 'label_smoothing' applies to loss dpo, not ipo"),
+        ({"simpo_gamma": 0.5}, "dpo: 'simpo_gamma' applies to loss simpo, not dpo"),
+        ({"label_smoothing": 0.5}, "'dpo.label_smoothing' must be >= 0 and < 0.5, got 0.5"),
+    ):
+        with pytest.raises(ConfigError) as refused:
+            build(dpo)
+        assert message in str(refused.value)
 
 
 def test_tensor_parallel_rollout_refuses_what_it_cannot_do(monkeypatch):

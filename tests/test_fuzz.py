@@ -91,6 +91,7 @@ section_names = [
     "ppo",
     "rollout",
     "critic",
+    "dpo",
     "nope",
 ]
 

@@ -60,7 +60,8 @@ def test_zero3_packed_step_equals_padded_full_batch_gradient(two_rank_run, tiny_
 
 def test_shared_prompts_give_the_whole_sequence_gradient_on_two_ranks_under_zero2_and_zero3(tiny_model_dir, rm_data):
     """Reward-model pairs and PPO groups (actor and critic steps, experience log-probs); the actor
-    step under each loss aggregation on two ranks against one process's whole-batch gradient."""
+    step under each loss aggregation and DPO's step under each preference loss on two ranks against one
+    process's whole-batch gradient."""
     cmd = [
         *launcher_cmd(2),
         str(REPO / "tests" / "scripts" / "shared_prompt_steps.py"),
@@ -80,3 +81,8 @@ def test_shared_prompts_give_the_whole_sequence_gradient_on_two_ranks_under_zero
     # Each loss aggregation: two ranks' packed, micro-batched step = one process's whole-batch gradient.
     for aggregation, step in report["aggregation"].items():
         assert step["grad"] > 1e-3 and step["gap"] < 1e-6, (aggregation, step)
+    # Each preference loss (DPO with and without shared prompts, IPO, SimPO): two ranks' packed step =
+    # one process's gradient of a padded batch, and its metrics (loss, implicit rewards, accuracy) the naive ones.
+    for loss, step in report["dpo"].items():
+        assert step["grad"] > 1e-3 and step["gap"] < 1e-5 * step["grad"] and step["metric_gap"] < 1e-5, (loss, step)
+        assert loss == "simpo" or 0.2 < step["acc"] < 0.8, (loss, step)  # the noisy reference: some won, some lost

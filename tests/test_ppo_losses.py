@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine.data.response_tokens import entropy_from_logits
+from engine.data.response_tokens import entropy_from_logits, kl_penalty
 from engine.ppo.losses import (
     AdaptiveKLController,
     FixedKLController,
@@ -19,7 +19,6 @@ from engine.ppo.losses import (
     gae,
     grpo_advantages,
     gspo_policy_loss,
-    kl_penalty,
     masked_mean,
     rloo_advantages,
     token_rewards,

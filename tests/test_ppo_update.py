@@ -12,9 +12,10 @@ import torch
 
 from engine.config import DS_CONFIGS_DIR
 from engine.data.batching import token_mean_scale
+from engine.data.response_tokens import kl_penalty
 from engine.ppo.experience import Experience
 from engine.ppo.forwards import pad_right, sequence_values
-from engine.ppo.losses import aggregation_weights, estimate_advantages, kl_penalty
+from engine.ppo.losses import aggregation_weights, estimate_advantages
 from engine.ppo.settings import GaeSettings, PolicyLossSettings, UpdateSettings
 from engine.ppo.update import actor_step, actor_token_loss, critic_step, update_on_rollout
 

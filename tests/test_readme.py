@@ -31,6 +31,7 @@ SHORTER = {
     "train/train_sft.py": "--train.max_steps 2",
     "train/train_rm.py": "--train.max_steps 2",
     "train/train_ppo.py": "--train.iterations 1",
+    "train/train_dpo.py": "--train.max_steps 2",
 }
 # The order the shell blocks of docs/ run in, after the README's: the order of docs/README.md's index.
 DOCS_ORDER = [
@@ -41,6 +42,7 @@ DOCS_ORDER = [
     "sft.md",
     "reward-model.md",
     "ppo.md",
+    "dpo.md",
     "rewards.md",
     "sandbox.md",
     "lora.md",
@@ -51,7 +53,11 @@ DOCS_ORDER = [
     "benchmarks.md",
     "design.md",
 ]
-EXAMPLE_SCRIPTS = {"docs/sft.md": "train/train_sft.py", "docs/reward-model.md": "train/train_rm.py"}
+EXAMPLE_SCRIPTS = {
+    "docs/sft.md": "train/train_sft.py",
+    "docs/reward-model.md": "train/train_rm.py",
+    "docs/dpo.md": "train/train_dpo.py",
+}
 
 
 def pages() -> list[Path]:

@@ -21,9 +21,8 @@ from functools import partial
 import torch
 
 from engine.config import config_to_dict
-from engine.data.batching import epoch_order, epoch_schedule
-from engine.data.errors import DataFileError
-from engine.data.preferences import PreferenceExample, load_preferences, pairs_that_fit
+from engine.data.batching import epoch_batch, epoch_schedule
+from engine.data.preferences import PreferenceExample, load_fitting_pairs
 from engine.models.deepspeed_glue import (
     describe_engine,
     initialize_training_engine,
@@ -33,12 +32,12 @@ from engine.models.deepspeed_glue import (
 )
 from engine.models.loading import attention_shares_prompts, load_value_model
 from engine.rm.reward_model import RMLossSettings, evaluate_pairs, rm_step
-from engine.run.distributed import accelerator_memory_metrics
 from engine.run.dry_run import rm_plan
 from engine.run.guards import NonFiniteGuard
 from engine.run.launch import run_main, start_run
 from engine.run.lifecycle import RunEnded, RunLifecycle
 from engine.run.preflight import load_tokenizer
+from engine.run.step_metrics import optimizer_step_metrics
 from engine.run_config import RewardModelConfig
 
 
@@ -48,23 +47,17 @@ def shares_prompts(cfg: RewardModelConfig) -> bool:
 
 
 def load_pairs(path: str, tokenizer, cfg: RewardModelConfig, rank: int) -> list[PreferenceExample]:
-    """The pairs of ``path`` that fit one micro-batch (those that do not are dropped and counted),
-    their prompts marked to pack once where the attention implementation can (rm.share_prompt)."""
-    pairs, dropped = pairs_that_fit(
-        load_preferences(path, tokenizer, list(cfg.rm.components), cfg.data.use_margin, shares_prompts(cfg)),
+    """The pairs of ``path`` that fit one micro-batch, their prompts marked to pack once where the
+    attention implementation can (rm.share_prompt)."""
+    return load_fitting_pairs(
+        path,
+        tokenizer,
+        list(cfg.rm.components),
+        cfg.data.use_margin,
+        shares_prompts(cfg),
         cfg.train.max_tokens_per_micro_batch,
+        rank,
     )
-    if not pairs:
-        raise DataFileError(
-            f"{path}: no pair fits train.max_tokens_per_micro_batch ({cfg.train.max_tokens_per_micro_batch} tokens)"
-        )
-    if dropped and rank == 0:
-        print(
-            f"{path}: dropped {dropped} of {len(pairs) + dropped} pairs longer than train.max_tokens_per_micro_batch "
-            f"({cfg.train.max_tokens_per_micro_batch} tokens, "
-            f"chosen + rejected{', the prompt once' if shares_prompts(cfg) else ''})"
-        )
-    return pairs
 
 
 def main() -> int:
@@ -109,16 +102,7 @@ def main() -> int:
     )
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    engine = initialize_training_engine(
-        model,
-        ds_config,
-        lr=cfg.optim.lr,
-        betas=tuple(cfg.optim.betas),
-        weight_decay=cfg.optim.weight_decay,
-        lr_scheduler=cfg.optim.lr_scheduler,
-        warmup_steps=int(cfg.optim.warmup_ratio * total_steps),
-        total_steps=total_steps,
-    )
+    engine = initialize_training_engine(model, ds_config, **cfg.optim.schedule(total_steps))
 
     nonfinite = NonFiniteGuard(cfg.guards.max_nonfinite_in_a_row)
     run.track("nonfinite", nonfinite, rolls_back=False)
@@ -151,12 +135,10 @@ def main() -> int:
     )
     try:
         while run.step < total_steps:
-            # Data position is a function of the step: epoch, then the batch inside its shuffled order.
-            epoch, in_epoch = divmod(run.step, steps_per_epoch)
-            order = epoch_order(len(train), cfg.train.seed, epoch)
-            batch = [
-                train[i] for i in order[in_epoch * cfg.train.pairs_per_step : (in_epoch + 1) * cfg.train.pairs_per_step]
-            ]
+            indices, epochs = epoch_batch(
+                run.step, len(train), cfg.train.pairs_per_step, steps_per_epoch, cfg.train.seed
+            )
+            batch = [train[i] for i in indices]
             start = time.perf_counter()
             engine.train()
             step_metrics = rm_step(
@@ -170,17 +152,8 @@ def main() -> int:
             seconds = time.perf_counter() - start
             run.step += 1
             run.check_step(nonfinite, run.step, engine)
-            metrics = (
-                {f"rm/{k}": v for k, v in step_metrics.items()}
-                | {
-                    "rm/lr": engine.get_lr()[0],
-                    "rm/grad_norm": float(engine.get_global_grad_norm() or 0.0),
-                    "rm/epoch": epoch + (in_epoch + 1) / steps_per_epoch,
-                    "timing/step_s": seconds,
-                    "timing/tokens_per_s": sum(e.num_tokens for e in batch) / seconds,
-                    "guard/nonfinite_skipped": nonfinite.skipped,
-                }
-                | accelerator_memory_metrics()
+            metrics = {f"rm/{k}": v for k, v in step_metrics.items()} | optimizer_step_metrics(
+                "rm", engine, epochs, seconds, sum(e.num_tokens for e in batch), nonfinite.skipped
             )
             if cfg.train.eval_every_steps and run.step % cfg.train.eval_every_steps == 0 and run.step < total_steps:
                 engine.eval()

@@ -22,7 +22,7 @@ from functools import partial
 import torch
 
 from engine.config import config_to_dict
-from engine.data.batching import epoch_order, epoch_schedule
+from engine.data.batching import epoch_batch, epoch_schedule
 from engine.data.conversations import Conversation, conversations_that_fit, load_conversations
 from engine.data.errors import DataFileError
 from engine.models.deepspeed_glue import (
@@ -33,12 +33,12 @@ from engine.models.deepspeed_glue import (
     training_ds_config,
 )
 from engine.models.loading import load_causal_lm
-from engine.run.distributed import accelerator_memory_metrics
 from engine.run.dry_run import sft_plan
 from engine.run.guards import NonFiniteGuard
 from engine.run.launch import run_main, start_run
 from engine.run.lifecycle import RunEnded, RunLifecycle
 from engine.run.preflight import load_tokenizer
+from engine.run.step_metrics import optimizer_step_metrics
 from engine.run_config import SFTConfig
 from engine.sft.causal_lm import evaluate_conversations, sft_step
 
@@ -94,16 +94,7 @@ def main() -> int:
     )
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    engine = initialize_training_engine(
-        model,
-        ds_config,
-        lr=cfg.optim.lr,
-        betas=tuple(cfg.optim.betas),
-        weight_decay=cfg.optim.weight_decay,
-        lr_scheduler=cfg.optim.lr_scheduler,
-        warmup_steps=int(cfg.optim.warmup_ratio * total_steps),
-        total_steps=total_steps,
-    )
+    engine = initialize_training_engine(model, ds_config, **cfg.optim.schedule(total_steps))
 
     nonfinite = NonFiniteGuard(cfg.guards.max_nonfinite_in_a_row)
     run.track("nonfinite", nonfinite, rolls_back=False)
@@ -129,27 +120,16 @@ def main() -> int:
     metrics: dict[str, float] = {}
     try:
         while run.step < total_steps:
-            # Data position is a function of the step: epoch, then the batch inside its shuffled order.
-            epoch, in_epoch = divmod(run.step, steps_per_epoch)
-            order = epoch_order(len(train), cfg.train.seed, epoch)
-            batch = [train[i] for i in order[in_epoch * per_step : (in_epoch + 1) * per_step]]
+            indices, epochs = epoch_batch(run.step, len(train), per_step, steps_per_epoch, cfg.train.seed)
+            batch = [train[i] for i in indices]
             start = time.perf_counter()
             engine.train()
             step_metrics = sft_step(engine, batch, budget, tokenizer.pad_token_id, step=run.step + 1)
             seconds = time.perf_counter() - start
             run.step += 1
             run.check_step(nonfinite, run.step, engine)
-            metrics = (
-                {f"sft/{k}": v for k, v in step_metrics.items()}
-                | {
-                    "sft/lr": engine.get_lr()[0],
-                    "sft/grad_norm": float(engine.get_global_grad_norm() or 0.0),
-                    "sft/epoch": epoch + (in_epoch + 1) / steps_per_epoch,
-                    "timing/step_s": seconds,
-                    "timing/tokens_per_s": step_metrics["tokens"] / seconds,
-                    "guard/nonfinite_skipped": nonfinite.skipped,
-                }
-                | accelerator_memory_metrics()
+            metrics = {f"sft/{k}": v for k, v in step_metrics.items()} | optimizer_step_metrics(
+                "sft", engine, epochs, seconds, step_metrics["tokens"], nonfinite.skipped
             )
             if (
                 validation

@@ -181,6 +181,17 @@ def epoch_order(num_examples: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(num_examples)
 
 
+def epoch_batch(
+    step: int, num_examples: int, per_step: int, steps_per_epoch: int, seed: int
+) -> tuple[list[int], float]:
+    """The examples of optimizer step ``step`` (0-based) of an :func:`epoch_schedule` and the epochs
+    done at its end: the data position is a function of the step (the epoch, then the batch inside
+    its shuffled order)."""
+    epoch, in_epoch = divmod(step, steps_per_epoch)
+    order = epoch_order(num_examples, seed, epoch)[in_epoch * per_step : (in_epoch + 1) * per_step]
+    return order.tolist(), epoch + (in_epoch + 1) / steps_per_epoch
+
+
 def epoch_schedule(num_examples: int, per_step: int, epochs: int, max_steps: int = 0) -> tuple[int, int]:
     """(optimizer steps per epoch, steps of the run): ``epochs`` passes of ``per_step`` examples
     per step (the last step of an epoch takes what is left), capped at ``max_steps`` when set."""

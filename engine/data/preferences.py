@@ -95,7 +95,7 @@ def collate_pairs(examples: Sequence[PreferenceExample]) -> tuple[PackedBatch, t
     else:
         packed = pack_sequences([ids for e in examples for ids in (e.chosen_ids, e.rejected_ids)])
     margins = torch.tensor([e.margin for e in examples], dtype=torch.float32)
-    labels = torch.tensor([e.labels for e in examples], dtype=torch.long).view(len(examples), -1)
+    labels = torch.tensor([e.labels for e in examples], dtype=torch.long)  # (B, C); C = 0: unlabelled (DPO)
     return packed, margins, labels
 
 
@@ -108,3 +108,25 @@ def pairs_that_fit(examples: Sequence[PreferenceExample], max_tokens: int) -> tu
     """The pairs whose chosen + rejected tokens (packed together) fit ``max_tokens``, and how many were dropped."""
     kept = [e for e in examples if e.num_tokens <= max_tokens]
     return kept, len(examples) - len(kept)
+
+
+def load_fitting_pairs(
+    path: str,
+    tokenizer: PreTrainedTokenizerBase,
+    components: Sequence[str],
+    use_margin: bool,
+    share_prompt: bool,
+    max_tokens: int,
+    rank: int,
+) -> list[PreferenceExample]:
+    """The pairs of ``path`` (:func:`load_preferences`) that fit one micro-batch of ``max_tokens``
+    (train.max_tokens_per_micro_batch); those that do not are dropped and counted (rank 0 prints it)."""
+    pairs, dropped = pairs_that_fit(load_preferences(path, tokenizer, components, use_margin, share_prompt), max_tokens)
+    if not pairs:
+        raise DataFileError(f"{path}: no pair fits train.max_tokens_per_micro_batch ({max_tokens} tokens)")
+    if dropped and rank == 0:
+        print(
+            f"{path}: dropped {dropped} of {len(pairs) + dropped} pairs longer than train.max_tokens_per_micro_batch "
+            f"({max_tokens} tokens, chosen + rejected{', the prompt once' if share_prompt else ''})"
+        )
+    return pairs

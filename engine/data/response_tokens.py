@@ -1,5 +1,5 @@
-"""Each response token's log-prob (and the policy's entropy before it) from a packed forward: what
-PPO's experience and update and DPO's pairs read of a causal LM."""
+"""Each response token's log-prob (and the policy's entropy before it) from a packed forward, and the
+KL estimators on them: what PPO's experience and update and DPO's pairs read of a causal LM."""
 
 from __future__ import annotations
 
@@ -8,6 +8,37 @@ from collections.abc import Sequence
 import torch
 
 from engine.data.packing import PackedBatch, packed_forward, sequence_rows, target_logprobs
+from engine.run_config import KLEstimator
+
+LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps exp() finite when policies drift apart
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman 2020, "Approximating KL").
+
+    k1 = log r, k2 = (log r)^2 / 2, k3 = (r' - 1) - log r' with r' = pi_ref / pi;
+    log r = log pi - log pi_ref, clamped before exp.
+    """
+    log_ratio = (logprobs - ref_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    if estimator == "k3":
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def top_k_kl(policy_logp: torch.Tensor, ref_top_logp: torch.Tensor, ref_top_ids: torch.Tensor) -> torch.Tensor:
+    """(K, V) policy log-distributions, (K, k) the reference's k likeliest tokens' log-probs and ids ->
+    (K,) KL(pi || pi_ref) over those k tokens and one bucket for the rest of the vocabulary.
+
+    Merging tokens never raises a KL (the log-sum inequality), so this is a lower bound of the exact
+    KL, equal to it when the rest carries no mass under either; it needs k numbers per position of
+    the reference instead of its whole distribution."""
+    top = policy_logp.gather(-1, ref_top_ids)  # (K, k)
+    rest = (1 - top.exp().sum(-1)).clamp_min(1e-30), (1 - ref_top_logp.exp().sum(-1)).clamp_min(1e-30)
+    return (top.exp() * (top - ref_top_logp)).sum(-1) + rest[0] * (rest[0].log() - rest[1].log())
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -30,6 +61,14 @@ def response_positions(packed: PackedBatch, prompt_lens: Sequence[int]) -> tuple
         torch.cat([r[p:] for r, p in zip(rows, prompt_lens)]),
         [len(r) - p for r, p in zip(rows, prompt_lens)],
     )
+
+
+def response_log_softmax(model, packed: PackedBatch, prompt_lens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K, V) float32 next-token log-distribution at every response-predicting position (in
+    :func:`response_positions` order) and (K,) the response tokens, for metrics over the vocabulary."""
+    positions, targets, _ = response_positions(packed, prompt_lens)
+    logits = packed_forward(model, packed, logits_positions=positions)[0]  # (K, V)
+    return torch.log_softmax(logits.float(), dim=-1).cpu(), packed.input_ids[0, targets]
 
 
 def response_logprobs(

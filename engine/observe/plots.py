@@ -174,6 +174,19 @@ PLOTS: dict[str, tuple[Plot, ...]] = {
         Plot("lr_grad_norm.png", "Learning rate and gradient norm", plot_lr_grad_norm),
         Plot("throughput.png", "Throughput", _lines("timing/tokens_per_s", ylabel="tokens/s")),
     ),
+    "dpo": (
+        Plot("loss.png", "Loss (eval: held-out)", _lines("dpo/loss", "eval/loss", ylabel="loss")),
+        Plot("accuracy.png", "Implicit-reward accuracy", _lines("dpo/acc", "eval/acc", ylabel="accuracy", hline=0.5)),
+        Plot(
+            "rewards.png",
+            "Implicit rewards",
+            _lines("dpo/chosen_reward", "dpo/rejected_reward", "dpo/margin", "eval/margin", ylabel="reward", hline=0.0),
+        ),
+        Plot("logps.png", "Response log-probs", _lines("dpo/chosen_logp", "dpo/rejected_logp", ylabel="nats")),
+        Plot("kl.png", "KL to the reference (held-out)", _lines("eval/kl", ylabel="nats/token"), eval_only=True),
+        Plot("lr_grad_norm.png", "Learning rate and gradient norm", plot_lr_grad_norm),
+        Plot("throughput.png", "Throughput", _lines("timing/tokens_per_s", ylabel="tokens/s")),
+    ),
     "ppo": (
         Plot("reward.png", "Reward", plot_ppo_reward),
         Plot(

@@ -30,6 +30,7 @@ HEADLINE = {
     "sft": ("sft/loss", "eval/loss", "eval/perplexity"),
     "rm": ("eval/acc", "eval/loss_total"),
     "ppo": ("ppo/score", "ppo/kl", "eval/reward", "eval/win_rate"),
+    "dpo": ("eval/acc", "eval/margin", "eval/loss", "eval/kl"),
 }
 ERROR_EVENTS = ("nonfinite_abort", "rollback_give_up")
 SAMPLE_ROWS = 4

@@ -1,6 +1,6 @@
 """A run directory read back for its report: the metrics, config, events and samples, and the run kind.
 
-The run kind is "sft", "rm" or "ppo" when a metric key starts with ``sft/``, ``rm/`` or ``ppo/``.
+The run kind is "sft", "rm", "ppo" or "dpo" when a metric key starts with ``sft/``, ``rm/``, ``ppo/`` or ``dpo/``.
 """
 
 from __future__ import annotations
@@ -40,9 +40,10 @@ def keys_with_prefix(records: Records, prefix: str) -> list[str]:
 
 
 def run_kind(records: Records) -> str:
-    """The run kind: sft, rm, ppo, or unknown (e.g. a PPO run that has only logged its step-0 eval)."""
+    """The run kind: sft, rm, ppo, dpo, or unknown (e.g. a PPO run that has only logged its step-0 eval)."""
     keys = {k for r in records for k in r}
-    return next((kind for kind in ("sft", "rm", "ppo") if any(k.startswith(kind + "/") for k in keys)), "unknown")
+    kinds = ("sft", "rm", "ppo", "dpo")
+    return next((kind for kind in kinds if any(k.startswith(kind + "/") for k in keys)), "unknown")
 
 
 def load_run(run_dir: str) -> Run:

@@ -82,18 +82,14 @@ def build_hybrid_engine(cfg: PPOConfig, ds_config: dict) -> HybridEngine:
         * cfg.rollout.samples_per_prompt
         // cfg.ppo.mini_batch_size
     )
-    optim: dict[str, Any] = dict(
-        betas=tuple(cfg.optim.betas),
-        weight_decay=cfg.optim.weight_decay,
-        lr_scheduler=cfg.optim.lr_scheduler,
-        warmup_steps=int(cfg.optim.warmup_ratio * iterations * steps_per_iteration),
-        total_steps=iterations * steps_per_iteration,
-    )
+    optim = cfg.optim.schedule(iterations * steps_per_iteration)
     frozen_config = inference_ds_config(ds_config)
-    actor_engine = initialize_training_engine(actor, ds_config, lr=cfg.optim.lr, **optim)
+    actor_engine = initialize_training_engine(actor, ds_config, **optim)
     return HybridEngine(
         actor=actor_engine,
-        critic=initialize_training_engine(critic, ds_config, lr=cfg.critic.lr, **optim) if critic is not None else None,
+        critic=initialize_training_engine(critic, ds_config, **(optim | {"lr": cfg.critic.lr}))
+        if critic is not None
+        else None,
         ref=frozen_engine(ref, frozen_config) if ref is not None else ReferenceView(actor_engine),  # LoRA: adapters off
         reward_model=frozen_engine(reward_model, frozen_config) if reward_model is not None else None,
         judge=frozen_engine(judge, frozen_config) if judge is not None else None,

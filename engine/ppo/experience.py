@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.data.response_tokens import kl_penalty
 from engine.ppo.forwards import pad_right, sequence_logprobs, sequence_values
-from engine.ppo.losses import estimate_advantages, kl_penalty, masked_mean, token_rewards, truncated_is_weights
+from engine.ppo.losses import estimate_advantages, masked_mean, token_rewards, truncated_is_weights
 from engine.ppo.monitors import within_prompt_diversity
 from engine.ppo.settings import ExperienceSettings
 

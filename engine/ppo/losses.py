@@ -1,5 +1,5 @@
-"""PPO formulas as pure tensor functions: KL estimators, advantage estimators (GAE and the
-critic-free GRPO, RLOO, REINFORCE++), whitening, policy and value losses.
+"""PPO formulas as pure tensor functions: advantage estimators (GAE and the critic-free GRPO, RLOO,
+REINFORCE++), whitening, policy and value losses (the KL estimators: engine/data/response_tokens.py).
 
 Shapes: B sequences, T response tokens (right-padded), ``mask`` (B, T) True where the token
 counts. References beside each formula. No DeepSpeed here; whitening takes an optional
@@ -12,26 +12,9 @@ from typing import NamedTuple
 
 import torch
 
+from engine.data.response_tokens import LOG_RATIO_CLAMP
 from engine.run.distributed import all_reduce
-from engine.run_config import AdvantageEstimator, KLEstimator, LossAggregation
-
-LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps exp() finite when policies drift apart
-
-
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman 2020, "Approximating KL").
-
-    k1 = log r, k2 = (log r)^2 / 2, k3 = (r' - 1) - log r' with r' = pi_ref / pi;
-    log r = log pi - log pi_ref, clamped before exp.
-    """
-    log_ratio = (logprobs - ref_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio**2
-    if estimator == "k3":
-        return torch.expm1(-log_ratio) + log_ratio
-    raise ValueError(f"unknown KL estimator {estimator!r}")
+from engine.run_config import AdvantageEstimator, LossAggregation
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

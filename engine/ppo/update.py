@@ -16,10 +16,10 @@ import torch
 
 from engine.data.batching import token_mean_scale
 from engine.data.packing import PackedBatch, dummy_forward_loss, packed_forward
-from engine.data.response_tokens import response_logprobs
+from engine.data.response_tokens import kl_penalty, response_logprobs
 from engine.ppo.experience import Experience
 from engine.ppo.forwards import micro_batches, pad_right, response_values
-from engine.ppo.losses import PolicyLoss, aggregation_weights, clipped_value_loss, estimate_advantages, gae, kl_penalty
+from engine.ppo.losses import PolicyLoss, aggregation_weights, clipped_value_loss, estimate_advantages, gae
 from engine.ppo.settings import GaeSettings, PolicyLossSettings, UpdateSettings
 from engine.run import faults
 from engine.run.distributed import all_reduce

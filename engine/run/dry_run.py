@@ -149,9 +149,8 @@ def sft_plan(cfg, train: list, validation: list, ds_config: dict[str, Any], worl
     return 0
 
 
-def rm_plan(cfg, train: list, validation: list, ds_config: dict[str, Any], world: int) -> int:
-    """The reward-model run: data, per-step micro-batch plan, parameters, memory."""
-    print(f"dry run of train_rm.py ({world} rank(s)); nothing is trained or written")
+def pairs_plan(cfg, train: list, validation: list, world: int) -> None:
+    """The preference pairs of an RM or DPO run: lengths, schedule, per-step micro-batch plan."""
     shared = any(e.shared_prefix for e in train)
     print(
         f"train pairs:      {length_stats([e.num_tokens for e in train])} (chosen + rejected"
@@ -168,8 +167,32 @@ def rm_plan(cfg, train: list, validation: list, ds_config: dict[str, Any], world
     print(f"schedule: {per_step} pairs per step, {per_epoch} steps per epoch, {total} steps")
     epoch = [train[i].num_tokens for i in epoch_order(len(train), cfg.train.seed, 0)]  # the first epoch's steps
     print(step_plan(epoch, per_step, cfg.train.max_tokens_per_micro_batch, world))
+
+
+def rm_plan(cfg, train: list, validation: list, ds_config: dict[str, Any], world: int) -> int:
+    """The reward-model run: data, per-step micro-batch plan, parameters, memory."""
+    print(f"dry run of train_rm.py ({world} rank(s)); nothing is trained or written")
+    pairs_plan(cfg, train, validation, world)
     print("models:")
     print_models([("reward model", cfg.model.path, True, list(cfg.rm.components), True)], ds_config, world, cfg.model)
+    return 0
+
+
+def dpo_plan(cfg, train: list, validation: list, ds_config: dict[str, Any], world: int) -> int:
+    """The DPO run: data, per-step micro-batch plan, the loss, the reference pass, parameters, memory."""
+    print(f"dry run of train_dpo.py ({world} rank(s)); nothing is trained or written")
+    pairs_plan(cfg, train, validation, world)
+    d = cfg.dpo
+    extra = {"dpo": f", label smoothing {d.label_smoothing}", "ipo": "", "simpo": f", gamma {d.simpo_gamma}"}[d.loss]
+    print(f"loss: {d.loss} (beta {d.beta}{extra})")
+    scored = len(train) + len(validation) if d.uses_reference() else len(validation)
+    print(
+        f"reference: log-probs of {scored:,} pairs in one pass before the first step "
+        f"({'train and ' if d.uses_reference() else ''}validation; no reference copy of the weights"
+        + (", the adapters off)" if cfg.model.lora.rank else ")")
+    )
+    print("models:")
+    print_models([("policy", cfg.model.path, False, None, True, cfg.model.lora)], ds_config, world, cfg.model)
     return 0
 
 

@@ -1,5 +1,5 @@
 """The config sections the launched scripts share (model, LoRA, optimizer, checkpoints, logging,
-guards, the epoch schedule of SFT and RM) and the check of the DeepSpeed config keys the scripts own."""
+guards, the epoch schedule of SFT, RM and DPO) and the check of the DeepSpeed config keys the scripts own."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from engine.config import Config, ConfigError, option, required
+from engine.config import Config, ConfigError, option, required, section
 
 MAX_SEED = 2**31 - 1  # numpy seeds stay below 2**32; derived per-rank and per-iteration seeds must fit too
 # DeepSpeed config keys the scripts set themselves (engine/models/deepspeed_glue.training_ds_config):
@@ -72,6 +72,12 @@ class LoraSection(Config):
             raise ConfigError("'target_modules' needs at least one layer name when rank > 0")
 
 
+class PolicySection(ModelSection):
+    lora: LoraSection = section(
+        LoraSection, "LoRA adapters: only they are trained and checkpointed; the reference is the model with them off"
+    )
+
+
 class OptimSection(Config):
     lr: float = option(1e-5, "peak learning rate", gt=0)
     weight_decay: float = option(0.0, "AdamW weight decay", ge=0)
@@ -82,6 +88,18 @@ class OptimSection(Config):
     def check(self) -> None:
         if len(self.betas) != 2:
             raise ConfigError(f"'betas' must have 2 values, got {self.betas}")
+
+    def schedule(self, total_steps: int) -> dict[str, Any]:
+        """The optimizer and schedule keywords of engine/models/deepspeed_glue.initialize_training_engine
+        for a run of ``total_steps`` optimizer steps."""
+        return dict(
+            lr=self.lr,
+            betas=tuple(self.betas),
+            weight_decay=self.weight_decay,
+            lr_scheduler=self.lr_scheduler,
+            warmup_steps=int(self.warmup_ratio * total_steps),
+            total_steps=total_steps,
+        )
 
 
 class CheckpointSection(Config):
@@ -111,3 +129,9 @@ class EpochsSection(Config):
     max_tokens_per_micro_batch: int = option(2048, "token budget of one packed forward on one rank", ge=2)
     eval_every_steps: int = option(0, "evaluate every N steps (0: only at the end)", ge=0)
     seed: int = option(0, "seed of the data order (and of a new head's initialisation)", ge=0, le=MAX_SEED)
+
+
+class PairsTrainSection(EpochsSection):
+    """The schedule of a pass over preference pairs (RM, DPO)."""
+
+    pairs_per_step: int = option(32, "pairs per optimizer step, over all ranks", ge=1)

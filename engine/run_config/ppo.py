@@ -12,8 +12,8 @@ from engine.run_config.common import (
     GuardsSection,
     LoggingSection,
     LoraSection,
-    ModelSection,
     OptimSection,
+    PolicySection,
     resolve_deepspeed_dtype,
 )
 from engine.run_config.monitors import JudgeSection, MonitorSection
@@ -23,12 +23,6 @@ from engine.run_config.rewards import RewardModelSection, RewardsSection
 KLEstimator = Literal["k1", "k2", "k3"]
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_pp"]
-
-
-class PolicySection(ModelSection):
-    lora: LoraSection = section(
-        LoraSection, "LoRA adapters: only they are trained and checkpointed; the reference is the actor with them off"
-    )
 
 
 class CriticSection(Config):

@@ -5,11 +5,11 @@ from __future__ import annotations
 from engine.config import Config, ConfigError, DeepSpeedDict, option, required, section
 from engine.run_config.common import (
     CheckpointSection,
-    EpochsSection,
     GuardsSection,
     LoggingSection,
     ModelSection,
     OptimSection,
+    PairsTrainSection,
     resolve_deepspeed_dtype,
 )
 
@@ -35,10 +35,6 @@ class RMSection(Config):
             raise ConfigError("'components' needs at least one name")
 
 
-class RMTrainSection(EpochsSection):
-    pairs_per_step: int = option(32, "pairs per optimizer step, over all ranks", ge=1)
-
-
 class RewardModelConfig(Config):
     """Config of train/train_rm.py."""
 
@@ -46,7 +42,7 @@ class RewardModelConfig(Config):
     data: RMDataSection = required("preference data")
     deepspeed: DeepSpeedDict = required("DeepSpeed config: inline, or a file next to this config or in ds_configs/")
     rm: RMSection = section(RMSection, "reward head and loss")
-    train: RMTrainSection = section(RMTrainSection, "batching and schedule")
+    train: PairsTrainSection = section(PairsTrainSection, "batching and schedule")
     optim: OptimSection = section(OptimSection, "optimizer and learning-rate schedule")
     checkpoint: CheckpointSection = section(CheckpointSection, "resumable checkpoints")
     guards: GuardsSection = section(GuardsSection, "training guards")

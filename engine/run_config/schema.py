@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from engine.config import DS_CONFIGS_DIR, Config, json_schema
+from engine.run_config.dpo import DPOConfig
 from engine.run_config.ppo import PPOConfig
 from engine.run_config.rm import RewardModelConfig
 from engine.run_config.sft import SFTConfig
@@ -16,6 +17,7 @@ SCRIPT_CONFIGS: dict[str, type[Config]] = {
     "train_sft": SFTConfig,
     "train_rm": RewardModelConfig,
     "train_ppo": PPOConfig,
+    "train_dpo": DPOConfig,
 }
 
 

@@ -10,8 +10,11 @@ step (lr 1, no clipping: ``before - after`` is the averaged gradient) of
 - PPO's actor and critic (engine/ppo/update.actor_step, critic_step) on this rank's samples,
   three per prompt, their prompt packed once or with every sample; the old log-probs come from
   an experience forward (engine/ppo/forwards.sequence_logprobs), computed both ways;
-- and, under ZeRO-3 with shared prompts, the actor step under each ``ppo.loss_aggregation``
-  against one process's gradient of the whole batch's aggregated loss.
+- under ZeRO-3 with shared prompts, the actor step under each ``ppo.loss_aggregation``
+  against one process's gradient of the whole batch's aggregated loss;
+- under ZeRO-3, DPO's step (engine/dpo/training.dpo_step: DPO with label smoothing with and without
+  shared prompts, IPO and SimPO with them) against one process's gradient of the mean per-pair loss
+  from a padded batch of whole sequences (tests/scripts/naive_pairs.py).
 Rank 0 prints one JSON line: per model and stage the largest weight difference between the two
 packings after the step and the largest update, the largest log-prob gap of the experience
 forwards, the tokens each packing computed, and per aggregation the largest gap to the one-process
@@ -24,12 +27,14 @@ import json
 from dataclasses import replace
 
 import torch
+from naive_pairs import naive_losses, padded_response_logprobs
 from sgd_engine import full_weights, launched_args, sgd_engine
 from transformers import AutoTokenizer
 
 from engine.data.batching import plan_global, token_mean_scale
 from engine.data.packing import dummy_forward_loss
 from engine.data.preferences import collate_pairs, load_preferences
+from engine.dpo.training import PreferenceLossSettings, dpo_step
 from engine.models.loading import load_causal_lm, load_value_model
 from engine.ppo.experience import Experience
 from engine.ppo.forwards import micro_batches, pad_right, sequence_logprobs
@@ -195,6 +200,51 @@ def aggregation_gap(model_dir: str, rank: int, samples, aggregation: str) -> dic
     }
 
 
+DPO_CASES = {  # name: (loss, shared prompts)
+    "dpo_plain": (PreferenceLossSettings("dpo", 0.5, 0.1, 0.0), False),
+    "dpo": (PreferenceLossSettings("dpo", 0.5, 0.1, 0.0), True),
+    "ipo": (PreferenceLossSettings("ipo", 0.5, 0.0, 0.0), True),
+    "simpo": (PreferenceLossSettings("simpo", 2.0, 0.0, 0.5), True),
+}
+
+
+def dpo_gap(model_dir: str, pairs, settings: PreferenceLossSettings, rank: int) -> dict[str, float]:
+    """One ZeRO-3 DPO step on every rank's share of ``pairs`` (several micro-batches) against one
+    process's gradient of the mean naive per-pair loss (rank 0's figures). The reference's log-probs
+    are the initial policy's, moved by seeded noise so that the implicit rewards are not zero."""
+    torch.manual_seed(0)
+    model = load_causal_lm(model_dir)
+    with torch.no_grad():
+        start = torch.stack([r.sum() for r in padded_response_logprobs(model, pairs)]).view(-1, 2)
+    reference = start + 0.5 * torch.randn(start.shape, generator=torch.Generator().manual_seed(0))
+    engine, keep_alive = sgd_engine(lambda: load_causal_lm(model_dir), 3)
+    before = full_weights(engine)
+    metrics = dpo_step(engine, pairs, reference, settings, max_tokens=400, pad_token_id=0, step=1)
+    after = full_weights(engine)
+    del keep_alive
+    if rank != 0:
+        return {}
+    rows = padded_response_logprobs(model, pairs)
+    loss, chosen, rejected = naive_losses(
+        rows, reference, settings.loss, settings.beta, settings.label_smoothing, settings.simpo_gamma
+    )
+    loss.mean().backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    naive = {
+        "loss": loss.mean().item(),
+        "chosen_reward": chosen.mean().item(),
+        "rejected_reward": rejected.mean().item(),
+        "acc": (chosen > rejected).float().mean().item(),
+        "chosen_logp": torch.stack([r.sum() for r in rows[0::2]]).mean().item(),
+    }
+    return {
+        "gap": max((before[n] - after[n] - grads[n]).abs().max().item() for n in grads),
+        "grad": max(g.abs().max().item() for g in grads.values()),
+        "metric_gap": max(abs(metrics[k] - v) for k, v in naive.items()),
+        "acc": metrics["acc"],
+    }
+
+
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[n] - b[n]).abs().max().item() for n in a)
 
@@ -232,6 +282,10 @@ def main() -> None:
     report["aggregation"] = {
         a: aggregation_gap(args.model, rank, samples, a)
         for a in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+    }
+    report["dpo"] = {
+        name: dpo_gap(args.model, shared if share else plain, settings, rank)
+        for name, (settings, share) in DPO_CASES.items()
     }
     if rank == 0:
         print(json.dumps(report), flush=True)
