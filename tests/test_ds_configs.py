@@ -142,9 +142,10 @@ def demo_commands() -> dict[str, list[str]]:
 
 def test_demo_run_configs_load():
     """The demo's run configs load into their classes and chain as `make demo` runs them: SFT from the
-    tiny base model, the RM from SFT's exported model, PPO's actor from SFT's and its reward model from
-    the RM's; data from the folder the data preparation writes, tokenized with the base model's
-    tokenizer; fp32 ZeRO-3 for all three; the PPO settings the demo's README figures come from."""
+    tiny base model, the RM from SFT's exported model, PPO's actor and DPO's policy from SFT's, PPO's
+    reward model from the RM's, DPO on the RM's pairs; data from the folder the data preparation writes,
+    tokenized with the base model's tokenizer; fp32 ZeRO-3 for all four; the PPO settings the demo's
+    README figures come from."""
     from engine.config import config_to_dict, load_config
     from engine.run_config import SCRIPT_CONFIGS
 
@@ -158,20 +159,21 @@ def test_demo_run_configs_load():
         # run_demo.sh only repeats the configs' own paths (for out = runs/demo)
         with_overrides = load_config(SCRIPT_CONFIGS[script], str(REPO / args[1]), overrides)
         assert config_to_dict(with_overrides) == config_to_dict(cfgs[script]), script
-    sft, rm, ppo = cfgs["train_sft"], cfgs["train_rm"], cfgs["train_ppo"]
+    sft, rm, ppo, dpo = cfgs["train_sft"], cfgs["train_rm"], cfgs["train_ppo"], cfgs["train_dpo"]
     exported = lambda cfg: f"{cfg.logging.output_dir}/model"  # where the scripts save the HF model
     tokenizers = set(re.findall(r"--tokenizer \"\$out/([\w-]+)\"", (REPO / "data_prep" / "run_demo.sh").read_text()))
     assert {f"runs/demo/{t}" for t in tokenizers} == {sft.model.path} == {"runs/demo/tiny-base"}
-    assert rm.model.path == exported(sft) and ppo.actor.path == exported(sft)
+    assert rm.model.path == exported(sft) and ppo.actor.path == exported(sft) and dpo.model.path == exported(sft)
+    assert (dpo.data.train, dpo.data.validation) == (rm.data.train, rm.data.validation)
     assert ppo.reward_model.path == exported(rm) and ppo.critic.init_from == "reward_model"
-    assert len({sft.logging.output_dir, rm.logging.output_dir, ppo.logging.output_dir}) == 3
+    assert len({cfg.logging.output_dir for cfg in cfgs.values()}) == 4
     data = {
         "runs/demo/data/" + name
         for name in ("sft_train", "sft_validation", "train", "validation", "prompts_train", "prompts_validation")
     }
     paths = [sft.data.train, sft.data.validation, rm.data.train, rm.data.validation, ppo.data.prompts]
     assert {p.removesuffix(".parquet") for p in [*paths, ppo.data.eval_prompts]} == data
-    for cfg, model in ((sft, sft.model), (rm, rm.model), (ppo, ppo.actor)):
+    for cfg, model in ((sft, sft.model), (rm, rm.model), (ppo, ppo.actor), (dpo, dpo.model)):
         assert cfg.deepspeed["zero_optimization"]["stage"] == 3 and model.bf16 is False
     assert sft.deepspeed == rm.deepspeed == ppo.deepspeed
     assert set(rm.rm.components) == {"helpful", "harmless"}  # the synthetic task's reward components

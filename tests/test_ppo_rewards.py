@@ -177,3 +177,17 @@ def test_a_function_that_cannot_be_called_is_refused_by_its_key(user_functions):
         with pytest.raises(RewardsConfigError, match=rf"'rewards.functions.mine.function': .*{error}"):
             components.check()
         components.close()
+
+
+def test_win_rate_of_a_policy_over_itself_is_one_half(process_group, rm_run, rm_data, tiny_model_dir, capsys):
+    """engine/ppo/win_rate.py: the same seed for both policies, so a policy against itself draws the
+    same responses, every prompt ties, and the win rate is 0.5 exactly."""
+    from engine.ppo import win_rate
+
+    root, _ = rm_run
+    args = ["--policy", str(tiny_model_dir), "--baseline", str(tiny_model_dir), "--max-new-tokens", "8"]
+    args += ["--reward-model", str(root / "run" / "model"), "--prompts", str(rm_data / "prompts_validation.parquet")]
+    assert win_rate.main(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["prompts"] == 21 and result["win_rate"] == 0.5 and result["win_rate_stderr"] == 0.0
+    assert result["policy_reward"] == result["baseline_reward"] and 0 < result["policy_length"] <= 8

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -208,17 +206,24 @@ def test_one_rank_step_and_evaluation_equal_a_naive_padded_computation(
     assert held_out["kl"] > 0
 
 
-def test_dry_run_prints_the_loss_and_the_reference_pass(tiny_model_dir, rm_data, tmp_path):
-    config = write_dpo_config(tmp_path / "dpo.json", tiny_model_dir, rm_data, tmp_path / "run", loss="simpo")
-    plan = subprocess.run(
-        [sys.executable, str(REPO / "train" / "train_dpo.py"), "--config", str(config), "--dry-run"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
+def test_the_plan_names_the_loss_and_the_reference_pass(tiny_model_dir, rm_data, tmp_path, capsys):
+    """What --dry-run prints (the script's own dry run runs in tests/test_readme.py's config examples)."""
+    from engine.config import load_config
+    from engine.models.deepspeed_glue import training_ds_config
+    from engine.run.dry_run import dpo_plan
+    from engine.run_config import DPOConfig
+
+    path = write_dpo_config(tmp_path / "dpo.json", tiny_model_dir, rm_data, tmp_path / "run", loss="simpo")
+    cfg = load_config(DPOConfig, str(path), ["--model.lora.rank", "8"])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    train, validation = (
+        load_preferences(str(rm_data / f"{split}.parquet"), tokenizer, [], False, True)
+        for split in ("train", "validation")
     )
-    assert plan.returncode == 0, plan.stderr[-2000:]
-    assert "loss: simpo (beta 0.5, gamma 1.0)" in plan.stdout
-    assert "reference: log-probs of 100 pairs in one pass before the first step (validation;" in plan.stdout
-    assert "policy" in plan.stdout and "parameters (trained): ZeRO-3" in plan.stdout
-    assert not (tmp_path / "run").exists()
+    assert dpo_plan(cfg, train, validation, training_ds_config(cfg.deepspeed, False), 2) == 0
+    plan = capsys.readouterr().out
+    assert "dry run of train_dpo.py (2 rank(s))" in plan and "the prompt once" in plan
+    assert "schedule: 16 pairs per step, 119 steps per epoch, 6 steps" in plan
+    assert "loss: simpo (beta 0.5, gamma 1.0)" in plan
+    assert "reference: log-probs of 100 pairs in one pass before the first step (validation; no reference copy " in plan
+    assert "the adapters off)" in plan and "(LoRA rank 8:" in plan

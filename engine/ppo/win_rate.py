@@ -1,0 +1,94 @@
+"""Held-out win rate of one policy over another, judged by a reward model: how the docs compare the
+demo's DPO and PPO policies with the SFT model they start from.
+
+    python -m engine.ppo.win_rate --policy runs/demo/dpo/model --baseline runs/demo/sft/model \\
+        --reward-model runs/demo/rm/model --prompts runs/demo/data/prompts_validation.parquet
+
+Each policy samples one response per prompt (HF ``generate``, the same request seed for both), the
+reward model scores both (its weighted total, as PPO's reward model scorer, unnormalised: only the
+order matters), and each prompt counts 1 when the policy's response scores higher, 0.5 on a tie
+(PPO's ``eval/win_rate``). Prints one JSON line. Runs on one process; an unreadable model or prompts file exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+
+from engine.data.chat import prompt_ids
+from engine.data.prompts import load_prompts
+from engine.models.loading import load_causal_lm, load_value_model
+from engine.ppo.evaluation import win_scores
+from engine.ppo.rewards import RewardModelScorer
+from engine.rollout.sampler import HFSampler, SamplingSettings
+from engine.run.distributed import init_distributed
+from engine.run.launch import run_main
+from engine.run.preflight import load_tokenizer
+from engine.run_config.rewards import RewardModelSection
+
+
+def sampled_responses(
+    path: str, prompts: list[list[int]], settings: SamplingSettings, seed: int, batch: int
+) -> tuple[list[str], float]:
+    """One response of the policy at ``path`` to each prompt (token ids), decoded, and their mean length in tokens."""
+    tokenizer = load_tokenizer(path, "--policy/--baseline")
+    model = load_causal_lm(path).eval()
+    sampler = HFSampler(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    samples = [
+        group[0]
+        for start in range(0, len(prompts), batch)
+        for group in sampler.generate(prompts[start : start + batch], settings, seed + start)
+    ]
+    texts = [str(tokenizer.decode(s.response_ids, skip_special_tokens=True)) for s in samples]
+    return texts, sum(len(s.response_ids) for s in samples) / len(samples)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.ppo.win_rate", description=__doc__.split("\n")[0])
+    parser.add_argument("--policy", required=True, help="HF model directory of the policy")
+    parser.add_argument("--baseline", required=True, help="HF model directory of the policy it is compared with")
+    parser.add_argument("--reward-model", required=True, help="reward model directory (train_rm.py's model/)")
+    parser.add_argument("--prompts", required=True, help="held-out prompts parquet (prompts_validation.parquet)")
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=64, help="prompts per generate call")
+    args = parser.parse_args(argv)
+    init_distributed()  # one process: the scorer's micro-batch plan agrees over "all" ranks
+    tokenizer = load_tokenizer(args.policy, "--policy")
+    messages = [p.messages for p in load_prompts(args.prompts)]
+    ids = [prompt_ids(tokenizer, m) for m in messages]
+    settings = SamplingSettings(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    responses = {
+        name: sampled_responses(path, ids, settings, args.seed, args.batch)
+        for name, path in (("policy", args.policy), ("baseline", args.baseline))
+    }
+    scorer = RewardModelScorer(
+        load_value_model(args.reward_model).eval(),
+        load_tokenizer(args.reward_model, "--reward-model"),
+        RewardModelSection(path=args.reward_model, normalize=False),
+        max_tokens=4096,
+    )
+    rewards = {name: scorer.total(scorer.score(messages, texts)) for name, (texts, _) in responses.items()}
+    wins = win_scores(rewards["policy"], rewards["baseline"])
+    print(
+        json.dumps(
+            {
+                "policy": args.policy,
+                "baseline": args.baseline,
+                "prompts": len(ids),
+                "win_rate": wins.mean().item(),
+                "win_rate_stderr": (wins.std() / len(ids) ** 0.5).item(),
+                "policy_reward": rewards["policy"].mean().item(),
+                "baseline_reward": rewards["baseline"].mean().item(),
+                "policy_length": responses["policy"][1],
+                "baseline_length": responses["baseline"][1],
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
