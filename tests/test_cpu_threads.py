@@ -11,7 +11,7 @@ import sys
 import pytest
 from helpers import REPO
 
-SCRIPTS = ["train_sft.py", "train_rm.py", "train_ppo.py"]
+SCRIPTS = ["train_sft.py", "train_rm.py", "train_ppo.py", "train_dpo.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -82,7 +82,7 @@ def task(tmp_path_factory, rm_data, tiny_model_dir):
             "max_new_tokens": 12,
             "dynamic_sampling": True,
         },
-        "ppo": {"advantage_estimator": "grpo", "mini_batch_size": 16, "kl_coef": 0.05},
+        "ppo": {"advantage_estimator": "rloo", "mini_batch_size": 16, "kl_coef": 0.05, "tis_cap": 2.0},
         "train": {"iterations": ITERATIONS, "seed": 1},
         "optim": {"lr": 5e-4, "warmup_ratio": 0.0, "lr_scheduler": "constant_with_warmup"},
         "checkpoint": {"every_steps": 2, "keep_last": 3},

@@ -419,13 +419,13 @@ def test_zero2_with_replicated_frozen_models_and_lora(tiny_model_dir, rm_run, rm
 
 @pytest.mark.parametrize(
     "estimator, extra",
-    [("grpo", {"actor__lora": LORA, "optim__lr": 3e-3}), ("rloo", {"ppo__tis_cap": 2.0})],
+    [("grpo", {"actor__lora": LORA, "optim__lr": 3e-3})],  # RLOO (with ppo.tis_cap): tests/test_dynamic_sampling.py
 )
 def test_critic_free_estimators_train_without_a_critic(sft_run, rm_run, rm_data, tmp_path, estimator, extra):
     """Each critic-free estimator builds, trains and checkpoints no critic, and raises the held-out
     reward (REINFORCE++: tests/test_ppo_reward_components.py, without a reward model). GRPO runs
     with a LoRA actor: two models in memory, the actor and the reward model (its dry run says so).
-    RLOO runs with truncated importance sampling, whose weights are 1 with an fp32 sampler."""
+    RLOO (with truncated importance sampling) trains in tests/test_dynamic_sampling.py."""
     (rm_root, _), (sft_root, _) = rm_run, sft_run
     config = write_ppo_config(
         tmp_path / "ppo.json",
