@@ -6,25 +6,17 @@ reward accuracy.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import DPOConfig, DPOTrainer
-from trl_reward import to_trl
+from trl_reward import pair_trainer_arguments, to_trl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--train", required=True)
-    parser.add_argument("--validation", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=1e-4)
+    parser = pair_trainer_arguments()
     parser.add_argument("--beta", type=float, default=0.1)
-    parser.add_argument("--epochs", type=int, default=1)
     args = parser.parse_args()
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.model)

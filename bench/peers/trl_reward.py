@@ -30,16 +30,19 @@ def to_trl(path: str) -> Dataset:
     )
 
 
-def main() -> None:
+def pair_trainer_arguments() -> argparse.ArgumentParser:
+    """The arguments the preference-pair peers (this one, trl_dpo.py) take from their bench script."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--train", required=True)
-    parser.add_argument("--validation", required=True)
-    parser.add_argument("--out", required=True)
+    for name in ("--model", "--train", "--validation", "--out"):
+        parser.add_argument(name, required=True)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--epochs", type=int, default=1)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = pair_trainer_arguments().parse_args()
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=1)

@@ -31,6 +31,11 @@ def response_lengths(examples: Sequence[PreferenceExample]) -> list[int]:
     return [len(ids) - e.prompt_len for e in examples for ids in (e.chosen_ids, e.rejected_ids)]
 
 
+def response_starts(examples: Sequence[PreferenceExample]) -> list[int]:
+    """2B + 1 offsets of the responses' tokens laid end to end in :func:`response_lengths` order."""
+    return [0, *torch.tensor(response_lengths(examples)).cumsum(0).tolist()]
+
+
 def prompt_lens(examples: Sequence[PreferenceExample]) -> list[int]:
     """Each packed sequence's prompt length (chosen and rejected of each pair in turn)."""
     return [e.prompt_len for e in examples for _ in range(2)]

@@ -19,7 +19,7 @@ import torch
 from engine.data.batching import plan_global
 from engine.data.packing import dummy_forward_loss
 from engine.data.preferences import PreferenceExample
-from engine.dpo.pairs import pair_distributions, pair_logprobs, response_lengths
+from engine.dpo.pairs import pair_distributions, pair_logprobs, response_lengths, response_starts
 from engine.models.lora import adapters_disabled
 from engine.run.distributed import all_reduce
 
@@ -35,7 +35,7 @@ def reference_pass(
     on every rank: each rank computes its share of the pairs (token-budget micro-batches, as in
     training) and an all-reduce assembles them (every position is written by exactly one rank)."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    starts = [0, *torch.tensor(response_lengths(examples)).cumsum(0).tolist()]
+    starts = response_starts(examples)
     out = [torch.zeros(starts[-1])] + (
         [torch.zeros(starts[-1], top_k), torch.zeros(starts[-1], top_k)] if top_k else []
     )
@@ -67,7 +67,7 @@ class ReferenceLogprobs:
     def __init__(self) -> None:
         self.train = torch.zeros(0, 2)
         self.validation: list[torch.Tensor] = [torch.zeros(0), torch.zeros(0, TOP_K), torch.zeros(0, TOP_K)]
-        self.validation_lengths: list[int] = []
+        self.validation_starts: list[int] = [0]  # where each held-out response's tokens start (2M + 1)
 
     def compute(
         self,
@@ -86,12 +86,12 @@ class ReferenceLogprobs:
                 (flat,) = reference_pass(engine, train, max_tokens, pad_token_id)
                 self.train = torch.stack([r.sum() for r in flat.split(response_lengths(train))]).view(len(train), 2)
             self.validation = reference_pass(engine, validation, max_tokens, pad_token_id, TOP_K)
-            self.validation_lengths = response_lengths(validation)
+            self.validation_starts = response_starts(validation)
 
     def held_out(self, pairs: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Of the held-out ``pairs`` (indices), in order: the reference's (B, 2) summed response
         log-probs and, at each response position, its top-k log-probs (K, k) and ids (K, k)."""
-        starts = [0, *torch.tensor(self.validation_lengths).cumsum(0).tolist()]
+        starts = self.validation_starts
         spans = [slice(starts[2 * i], starts[2 * i + 2]) for i in pairs]
         tokens, top_logp, top_ids = self.validation
         sums = [tokens[starts[2 * i + k] : starts[2 * i + k + 1]].sum() for i in pairs for k in (0, 1)]
@@ -102,8 +102,8 @@ class ReferenceLogprobs:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"train": self.train, "validation": self.validation, "validation_lengths": self.validation_lengths}
+        return {"train": self.train, "validation": self.validation, "validation_starts": self.validation_starts}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.train, self.validation = state["train"], state["validation"]
-        self.validation_lengths = state["validation_lengths"]
+        self.validation_starts = state["validation_starts"]

@@ -17,7 +17,7 @@ import json
 from collections.abc import Sequence
 
 from engine.data.chat import prompt_ids
-from engine.data.prompts import load_prompts
+from engine.data.prompts import Messages, load_prompts
 from engine.models.loading import load_causal_lm, load_value_model
 from engine.ppo.evaluation import win_scores
 from engine.ppo.rewards import RewardModelScorer
@@ -29,10 +29,12 @@ from engine.run_config.rewards import RewardModelSection
 
 
 def sampled_responses(
-    path: str, prompts: list[list[int]], settings: SamplingSettings, seed: int, batch: int
+    path: str, flag: str, messages: list[Messages], settings: SamplingSettings, seed: int, batch: int
 ) -> tuple[list[str], float]:
-    """One response of the policy at ``path`` to each prompt (token ids), decoded, and their mean length in tokens."""
-    tokenizer = load_tokenizer(path, "--policy/--baseline")
+    """One response of the policy at ``path`` (the command line's ``flag``) to each prompt, rendered
+    with its own tokenizer and chat template, decoded, and their mean length in tokens."""
+    tokenizer = load_tokenizer(path, flag)
+    prompts = [prompt_ids(tokenizer, m) for m in messages]
     model = load_causal_lm(path).eval()
     sampler = HFSampler(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
     samples = [
@@ -56,12 +58,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64, help="prompts per generate call")
     args = parser.parse_args(argv)
     init_distributed()  # one process: the scorer's micro-batch plan agrees over "all" ranks
-    tokenizer = load_tokenizer(args.policy, "--policy")
     messages = [p.messages for p in load_prompts(args.prompts)]
-    ids = [prompt_ids(tokenizer, m) for m in messages]
     settings = SamplingSettings(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
     responses = {
-        name: sampled_responses(path, ids, settings, args.seed, args.batch)
+        name: sampled_responses(path, f"--{name}", messages, settings, args.seed, args.batch)
         for name, path in (("policy", args.policy), ("baseline", args.baseline))
     }
     scorer = RewardModelScorer(
@@ -77,9 +77,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             {
                 "policy": args.policy,
                 "baseline": args.baseline,
-                "prompts": len(ids),
+                "prompts": len(messages),
                 "win_rate": wins.mean().item(),
-                "win_rate_stderr": (wins.std() / len(ids) ** 0.5).item(),
+                "win_rate_stderr": (wins.std() / len(messages) ** 0.5).item(),
                 "policy_reward": rewards["policy"].mean().item(),
                 "baseline_reward": rewards["baseline"].mean().item(),
                 "policy_length": responses["policy"][1],
