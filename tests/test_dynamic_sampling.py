@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 from engine.config import load_config
 from engine.data.prompts import load_prompts
 from engine.models.deepspeed_glue import training_ds_config
+from engine.observe.records import read_records
 from engine.ppo.collect import Group, fill_batch, has_signal
 from engine.rollout.sampler import Sample
 from engine.run.dry_run import ppo_plan
@@ -119,6 +120,11 @@ def test_every_step_trains_a_full_batch_of_groups_with_signal_and_a_resume_repea
     # Every sample drawn scores higher than the batch trained on: the dropped "same" groups score 1.
     score, sampled = metric_series(run, "ppo/score"), metric_series(run, "ppo/sampled_score")
     assert all(sampled[s] > score[s] for s in steps), (sampled, score)
+    # RLOO with truncated importance sampling: the HF sampler is the fp32 actor, so the weights are 1 but
+    # for the groups that waited an update (sampled by the previous actor): none wait at step 1.
+    tis = metric_series(run, "ppo/tis_weight")
+    assert abs(tis[1] - 1.0) < 1e-3 and all(0 < w <= 2.0 for w in tis.values()), tis
+    assert not any(k.startswith("ppo/vf_") for m in read_records(str(run / "metrics.jsonl")) for k in m)
     # What the step-2 checkpoint holds: the prompt position and the groups found beyond the batch.
     waiting = metric_series(run, "ppo/waiting_groups")
     saved = [

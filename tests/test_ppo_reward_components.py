@@ -40,7 +40,7 @@ def picky(prompt, response):
         raise ValueError("a length divisible by three")
     return 1.0
 """
-ITERATIONS = 5
+ITERATIONS = 4
 
 
 def start_server(port: int, log: Path) -> subprocess.Popen:

@@ -59,6 +59,7 @@ def ppo_run(tmp_path_factory, sft_run, rm_run, rm_data):
         root / "run",
         optim__lr=3e-4,
         ppo__kl_coef=0.2,
+        checkpoint__every_steps=5,  # the resume test repeats the last 5 iterations
     )
     return root, launch("train_ppo.py", config)
 
@@ -181,11 +182,11 @@ def test_exported_actor_loads_and_differs_from_the_start(ppo_run, tiny_model_dir
 
 
 def test_a_resume_from_the_last_checkpoint_repeats_the_run(ppo_run, tmp_path):
-    """The finished run's copy, cut back to its iteration-20 checkpoint (as if killed in iteration
-    23), resumes and reproduces the uninterrupted run, held-out evaluations included. (A kill
+    """The finished run's copy, cut back to its iteration-25 checkpoint (as if killed in iteration
+    28), resumes and reproduces the uninterrupted run, held-out evaluations included. (A kill
     inside a checkpoint write, the same lifecycle code: test_crash_resume.py.)"""
     root, _ = ppo_run
-    run, cut = tmp_path / "run", ITERATIONS - EVERY
+    run, cut = tmp_path / "run", ITERATIONS - 5
     shutil.copytree(root / "run", run)
     shutil.rmtree(run / "actor")
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step{cut:08d}"
