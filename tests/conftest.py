@@ -122,6 +122,17 @@ def sft_data(tmp_path_factory, tiny_model_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def rm_two_ranks(tmp_path_factory, tiny_model_dir, rm_data):
+    """The reward-model run on one node with two ranks (checkpoints at steps 20 and 40); its config
+    is ``rm.json`` beside the run."""
+    from helpers import launch, write_rm_config
+
+    root = tmp_path_factory.mktemp("rm_two_ranks")
+    launch("train_rm.py", write_rm_config(root / "rm.json", tiny_model_dir, rm_data, root / "run"), ranks=2)
+    return root
+
+
+@pytest.fixture(scope="session")
 def sft_run(tmp_path_factory, tiny_model_dir, sft_data):
     """A policy fine-tuned by train_sft.py (1 rank, ZeRO-3): (root with sft.json and run/, result)."""
     from helpers import launch, write_sft_config

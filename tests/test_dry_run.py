@@ -3,7 +3,6 @@ the plan is printed, nothing is trained or written."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -63,31 +62,22 @@ def test_ppo_dry_run_counts_four_models_and_writes_nothing(tiny_model_dir, rm_ru
 
 
 def test_ppo_dry_run_shows_the_tensor_parallel_layout(tiny_model_dir, rm_run, rm_data, tmp_path):
+    """The plan's vLLM line on 2 ranks: an engine each, or one engine split over both (the launched
+    dry run itself: test_ppo_dry_run_counts_four_models_and_writes_nothing)."""
+    from engine.config import load_config
+    from engine.run.dry_run import vllm_memory
+    from engine.run_config import PPOConfig
+
     rm_root, _ = rm_run
     config = write_ppo_config(
         tmp_path / "ppo.json", tiny_model_dir, rm_root / "run" / "model", rm_data, tmp_path / "run"
     )
-    lines = {}
-    for tp in (1, 2):
-        result = subprocess.run(
-            [
-                sys.executable,
-                str(REPO / "train" / "train_ppo.py"),
-                "--config",
-                str(config),
-                "--dry-run",
-                "--rollout.tensor_parallel_size",
-                str(tp),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=REPO,
-            env={**os.environ, "WORLD_SIZE": "2"},
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        lines[tp] = next(line for line in result.stdout.splitlines() if "vLLM sampler" in line)
-    assert "2 engine(s), one per rank: " in lines[1] and "1 engine(s) of tensor parallel size 2: " in lines[2]
+    lines = {
+        tp: vllm_memory(load_config(PPOConfig, str(config), ["--rollout.tensor_parallel_size", str(tp)]), 2)
+        for tp in (1, 2)
+    }
+    assert lines[1].startswith("2 engine(s), one per rank: ") and lines[2].startswith(
+        "1 engine(s) of tensor parallel size 2: "
+    )
     weights = {tp: float(line.split(": ")[-1].split(" MiB weights per rank")[0]) for tp, line in lines.items()}
     assert weights[2] == pytest.approx(weights[1] / 2, abs=0.1)
-    assert not (tmp_path / "run").exists()

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from engine.data.response_tokens import entropy_from_logits, kl_penalty
+from engine.data.lm_head import head_logprobs
+from engine.data.response_tokens import kl_penalty
 from engine.ppo.losses import (
     AdaptiveKLController,
     FixedKLController,
@@ -145,9 +146,11 @@ def test_whiten_and_masked_mean():
     assert masked_mean(x, mask).item() == pytest.approx(2.5)
 
 
-def test_entropy():
-    assert entropy_from_logits(torch.zeros(4)).item() == pytest.approx(math.log(4))
-    assert entropy_from_logits(torch.tensor([100.0, 0.0])).item() == pytest.approx(0.0, abs=1e-6)
+def test_entropy_and_logprob_of_the_head_output():
+    logits = torch.tensor([[0.0] * 4, [100.0, 0.0, 0.0, 0.0]])
+    logp, entropy = head_logprobs(torch.nn.Identity(), logits, torch.tensor([1, 0]), with_entropy=True)
+    assert entropy is not None and entropy.tolist() == pytest.approx([math.log(4), 0.0], abs=1e-6)
+    assert logp.tolist() == pytest.approx([-math.log(4), 0.0], abs=1e-6)
 
 
 def test_adaptive_kl_controller():

@@ -5,19 +5,28 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import run_script, write_ppo_config
+from helpers import run_script, write_ppo_config, write_rm_config
 from transformers import AutoTokenizer
 
 from engine.data.chat import prompt_ids
 from engine.data.errors import DataFileError
 from engine.data.preferences import load_preferences, pairs_that_fit
 from engine.data.prompts import load_prompts, prompts_that_fit
+from engine.models.loading import load_causal_lm, load_value_model
 from engine.run.launch import RunRefused
-from engine.run.preflight import check_lora_targets, check_reward_model, check_vllm_can_run, load_tokenizer
+from engine.run.preflight import (
+    check_lora_targets,
+    check_reward_model,
+    check_vllm_can_run,
+    check_weights,
+    load_tokenizer,
+)
 from engine.run_config import LoraSection
 
 
@@ -120,3 +129,73 @@ def test_ppo_refuses_a_base_model_as_reward_model_before_loading_models(tiny_mod
     assert refused.returncode != 0
     assert f"model error: 'reward_model.path' ({tiny_model_dir}) is not a reward model" in refused.stderr
     assert "Traceback" not in refused.stderr and not (tmp_path / "run").exists()
+
+
+def damaged_copy(source: Path, target: Path, damage: Callable[[Path], object]) -> str:
+    shutil.copytree(source, target)
+    damage(target)
+    return str(target)
+
+
+def truncate(file: Path, keep: float) -> None:
+    with open(file, "r+b") as f:
+        f.truncate(int(file.stat().st_size * keep))
+
+
+def edit_config(directory: Path, old: str, new: str) -> None:
+    config = directory / "config.json"
+    config.write_text(config.read_text().replace(old, new))
+
+
+def test_damaged_model_directories_are_refused_naming_the_file(tiny_model_dir, rm_data, tmp_path):
+    """What interrupted downloads and half-copied folders leave is refused naming the file, from
+    the headers only; whole single-file, sharded, tied and value-model directories pass. A launched
+    run refuses with exit 2 before any engine is built (it was a SafetensorError traceback)."""
+    sharded, tied, value = tmp_path / "sharded", tmp_path / "tied", tmp_path / "value"
+    model = load_causal_lm(str(tiny_model_dir))
+    model.save_pretrained(sharded, max_shard_size="200KB")
+    shards = sorted(p.name for p in sharded.glob("model-*.safetensors"))
+    assert len(shards) > 2 and (sharded / "model.safetensors.index.json").is_file()
+    model.config.tie_word_embeddings = True
+    type(model)(model.config).save_pretrained(tied)  # one embedding tensor in the file
+    load_value_model(str(tiny_model_dir), ["helpful", "harmless"]).save_pretrained(value)
+    for path, value_head in ((tiny_model_dir, False), (tiny_model_dir, True), (sharded, False), (tied, False)):
+        check_weights(str(path), "model.path", value_head)
+    check_weights(str(value), "model.path", value_head=True)
+    check_weights(str(tmp_path / "org" / "hub-name"), "model.path", False)  # not a directory: the loader's to find
+
+    cases = [
+        (
+            tiny_model_dir,
+            lambda d: truncate(d / "model.safetensors", 0.5),
+            "model.safetensors: not a whole safetensors",
+        ),
+        (
+            tiny_model_dir,
+            lambda d: truncate(d / "model.safetensors", 0.001),
+            "model.safetensors: not a whole safetensors",
+        ),
+        (tiny_model_dir, lambda d: (d / "model.safetensors").unlink(), ": no model.safetensors or model.safetensors"),
+        (sharded, lambda d: (d / shards[1]).unlink(), f"{shards[1]}: missing, though .*index.json names it"),
+        (sharded, lambda d: truncate(d / shards[-1], 0.9), f"{shards[-1]}: not a whole safetensors file"),
+        (
+            tiny_model_dir,
+            lambda d: edit_config(d, '"intermediate_size": 384', '"intermediate_size": 512'),
+            r"model.layers.0.mlp.down_proj.weight has shape \[128, 384\], but config.json makes it \[128, 512\]",
+        ),
+        (
+            tiny_model_dir,
+            lambda d: edit_config(d, '"num_hidden_layers": 2', '"num_hidden_layers": 3'),
+            r"the weight files lack 9 of the model's \d+ tensors, e.g. layers.2.",
+        ),
+    ]
+    for i, (source, damage, message) in enumerate(cases):
+        damaged = damaged_copy(source, tmp_path / f"damaged{i}", damage)
+        with pytest.raises(RunRefused, match=rf"'model.path' \({damaged}\): .*{message}"):
+            check_weights(damaged, "model.path", value_head=False)
+
+    half = tmp_path / "damaged0"
+    refused = run_script("train_rm.py", write_rm_config(tmp_path / "rm.json", half, rm_data, tmp_path / "run"))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert f"model error: 'model.path' ({half}): {half}/model.safetensors: not a whole safetensors" in refused.stderr
+    assert not (tmp_path / "run").exists()

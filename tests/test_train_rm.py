@@ -99,12 +99,8 @@ def test_saved_model_reloads_and_scores_identically(one_rank, rm_data):
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tiny_model_dir, rm_data, tmp_path_factory) -> Path:
-    """The RM run on one node with two ranks; its config is ``rm.json`` beside the run."""
-    root = tmp_path_factory.mktemp("rm_two_ranks")
-    config = write_rm_config(root / "rm.json", tiny_model_dir, rm_data, root / "run")
-    launch("train_rm.py", config, "--checkpoint.every_steps", "0", ranks=2)
-    return root
+def two_ranks(rm_two_ranks) -> Path:
+    return rm_two_ranks
 
 
 def test_two_ranks_zero3_follow_the_one_rank_curve(one_rank, two_ranks):

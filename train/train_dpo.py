@@ -40,7 +40,7 @@ from engine.run.dry_run import dpo_plan
 from engine.run.guards import NonFiniteGuard
 from engine.run.launch import run_main, start_run
 from engine.run.lifecycle import RunEnded, RunLifecycle
-from engine.run.preflight import load_tokenizer
+from engine.run.preflight import check_weights, load_tokenizer
 from engine.run.step_metrics import optimizer_step_metrics
 from engine.run_config import DPOConfig
 
@@ -58,6 +58,7 @@ def main() -> int:
     ds_config = training_ds_config(cfg.deepspeed, cfg.model.bf16)
 
     tokenizer = load_tokenizer(cfg.model.path, "model.path", cfg.model.trust_remote_code)
+    check_weights(cfg.model.path, "model.path", value_head=False, trust_remote_code=cfg.model.trust_remote_code)
     settings = PreferenceLossSettings.from_config(cfg.dpo)
     train, validation = (load_pairs(path, tokenizer, cfg, rank) for path in (cfg.data.train, cfg.data.validation))
     per_step = cfg.train.pairs_per_step

@@ -37,7 +37,7 @@ from engine.run.dry_run import sft_plan
 from engine.run.guards import NonFiniteGuard
 from engine.run.launch import run_main, start_run
 from engine.run.lifecycle import RunEnded, RunLifecycle
-from engine.run.preflight import load_tokenizer
+from engine.run.preflight import check_weights, load_tokenizer
 from engine.run.step_metrics import optimizer_step_metrics
 from engine.run_config import SFTConfig
 from engine.sft.causal_lm import evaluate_conversations, sft_step
@@ -62,6 +62,7 @@ def main() -> int:
     ds_config = training_ds_config(cfg.deepspeed, cfg.model.bf16)
 
     tokenizer = load_tokenizer(cfg.model.path, "model.path", cfg.model.trust_remote_code)
+    check_weights(cfg.model.path, "model.path", value_head=False, trust_remote_code=cfg.model.trust_remote_code)
     train = load_fitting_conversations(cfg.data.train, tokenizer, budget, rank)
     validation = load_fitting_conversations(cfg.data.validation, tokenizer, budget, rank) if cfg.data.validation else []
     per_step = cfg.train.conversations_per_step

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.data.packing import PackedBatch, packed_forward, sequence_rows, target_logprobs
+from engine.data.lm_head import token_logprobs
+from engine.data.packing import PackedBatch, packed_forward, sequence_rows
 from engine.run_config import KLEstimator
 
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps exp() finite when policies drift apart
@@ -41,13 +42,6 @@ def top_k_kl(policy_logp: torch.Tensor, ref_top_logp: torch.Tensor, ref_top_ids:
     return (top.exp() * (top - ref_top_logp)).sum(-1) + rest[0] * (rest[0].log() - rest[1].log())
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """(..., V) -> (...) entropy of the softmax, in float32."""
-    logits = logits.float()
-    logp = torch.log_softmax(logits, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
 def response_positions(packed: PackedBatch, prompt_lens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Where each packed sequence's response is predicted: row positions (K,) whose next-token
     prediction is a response token (the state before it; prompt length P: sequence positions
@@ -76,17 +70,15 @@ def response_logprobs(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Log-prob (and policy entropy) of each response token: one (R_i,) tensor per sequence.
 
-    The LM head runs on the response-predicting positions only; log p is computed in float32
-    on the model's device (:func:`engine.data.packing.target_logprobs`). The results come back on
-    the CPU (differentiably: a loss built from them backpropagates into the model, through the
-    shared prompt positions once per branch). The entropy is detached unless ``entropy_grad``
-    (an entropy bonus): as a metric only, its backward would cost ~10% of the actor's forward +
-    backward.
+    The LM head runs on the response-predicting positions only, in chunks
+    (:func:`engine.data.lm_head.token_logprobs`: no (K, V) logits of the whole micro-batch). The
+    results come back on the CPU (differentiably: a loss built from them backpropagates into the
+    model, through the shared prompt positions once per branch). The entropy is detached unless
+    ``entropy_grad`` (an entropy bonus): as a metric only, its backward would cost ~10% of the
+    actor's forward + backward.
     """
     positions, targets, lengths = response_positions(packed, prompt_lens)
-    logits = packed_forward(model, packed, logits_positions=positions)[0]  # (K, V), model's device
-    logprobs = target_logprobs(logits, packed.input_ids[0, targets])  # (K,)
-    entropy = None
-    if with_entropy:
-        entropy = list(entropy_from_logits(logits if entropy_grad else logits.detach()).cpu().split(lengths))
-    return list(logprobs.cpu().split(lengths)), entropy
+    logprobs, entropy = token_logprobs(
+        model, packed, positions, packed.input_ids[0, targets], with_entropy, entropy_grad
+    )  # (K,) each
+    return list(logprobs.cpu().split(lengths)), None if entropy is None else list(entropy.cpu().split(lengths))

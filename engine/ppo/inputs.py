@@ -12,7 +12,13 @@ from engine.data.prompts import Prompt, load_prompts, prompts_that_fit
 from engine.rewards.code_tests import check_column
 from engine.rewards.components import RewardComponents, RewardsConfigError
 from engine.run.launch import RunRefused
-from engine.run.preflight import check_lora_targets, check_reward_model, check_vllm_can_run, load_tokenizer
+from engine.run.preflight import (
+    check_lora_targets,
+    check_reward_model,
+    check_vllm_can_run,
+    check_weights,
+    load_tokenizer,
+)
 from engine.run_config import PPOConfig
 from engine.run_config.rewards import RewardsSection
 
@@ -45,14 +51,17 @@ class Tokenizers(NamedTuple):
 
 
 def check_models(cfg: PPOConfig) -> Tokenizers:
-    """The models' tokenizers, once the model directories are found usable (trained reward models,
-    LoRA targets that exist, a model vLLM can run), before any model loads."""
+    """The models' tokenizers, once the model directories are found usable (whole weight files that
+    fit their configs, trained reward models, LoRA targets that exist, a model vLLM can run), before
+    any model loads."""
     tokenizer = load_tokenizer(cfg.actor.path, "actor.path", cfg.actor.trust_remote_code)
+    check_weights(cfg.actor.path, "actor.path", value_head=False, trust_remote_code=cfg.actor.trust_remote_code)
     reward_tokenizers = []
     for key, rm in (("reward_model", cfg.reward_model), ("judge.reward_model", cfg.judge.reward_model)):
         reward_tokenizers.append(load_tokenizer(rm.path, f"{key}.path") if rm else None)
         if rm:
             check_reward_model(rm.path, f"{key}.path", rm.normalize)
+            check_weights(rm.path, f"{key}.path", value_head=True)  # the critic starts from the actor's or the RM's
     check_lora_targets(cfg.actor.path, "actor.lora", cfg.actor.lora, False, cfg.actor.trust_remote_code)
     check_lora_targets(cfg.critic_source().path, "critic.lora", cfg.critic.lora, True)
     if cfg.rollout.sampler == "vllm":

@@ -24,7 +24,7 @@ from engine.ppo.rewards import RewardModelScorer
 from engine.rollout.sampler import HFSampler, SamplingSettings
 from engine.run.distributed import init_distributed
 from engine.run.launch import run_main
-from engine.run.preflight import load_tokenizer
+from engine.run.preflight import check_weights, load_tokenizer
 from engine.run_config.rewards import RewardModelSection
 
 
@@ -34,6 +34,7 @@ def sampled_responses(
     """One response of the policy at ``path`` (the command line's ``flag``) to each prompt, rendered
     with its own tokenizer and chat template, decoded, and their mean length in tokens."""
     tokenizer = load_tokenizer(path, flag)
+    check_weights(path, flag, value_head=False)
     prompts = [prompt_ids(tokenizer, m) for m in messages]
     model = load_causal_lm(path).eval()
     sampler = HFSampler(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
@@ -58,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64, help="prompts per generate call")
     args = parser.parse_args(argv)
     init_distributed()  # one process: the scorer's micro-batch plan agrees over "all" ranks
+    check_weights(args.reward_model, "--reward-model", value_head=True)
     messages = [p.messages for p in load_prompts(args.prompts)]
     settings = SamplingSettings(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
     responses = {

@@ -50,7 +50,7 @@ from engine.rewards.remote import (
 )
 from engine.rewards.sandbox import SandboxLimits
 from engine.run.launch import RunRefused
-from engine.run.preflight import check_reward_model, load_tokenizer
+from engine.run.preflight import check_reward_model, check_weights, load_tokenizer
 
 log = logging.getLogger("engine.rewards.server")
 Scores = dict[str, list[float | None]]
@@ -74,6 +74,7 @@ class RewardModelScorer:
     def __init__(self, path: str, device: str, dtype: torch.dtype, max_tokens: int):
         self.tokenizer = load_tokenizer(path, "--reward-model")
         check_reward_model(path, "--reward-model", normalize=False)
+        check_weights(path, "--reward-model", value_head=True)
         self.model = load_value_model(path, dtype=dtype)
         self.model.to(device).eval()  # type: ignore[arg-type]  # transformers 5.19 types .to's wrapper wrongly
         labels = cast(dict[int, str], self.model.config.id2label)

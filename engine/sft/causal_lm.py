@@ -18,7 +18,8 @@ import torch
 
 from engine.data.batching import plan_global, token_mean_scale
 from engine.data.conversations import Conversation
-from engine.data.packing import PackedBatch, dummy_forward_loss, pack_sequences, packed_forward, target_logprobs
+from engine.data.lm_head import token_logprobs
+from engine.data.packing import PackedBatch, dummy_forward_loss, pack_sequences
 from engine.run import faults
 from engine.run.distributed import all_reduce
 
@@ -34,10 +35,9 @@ def trained_positions(packed: PackedBatch, conversations: Sequence[Conversation]
 
 def token_nll(model, packed: PackedBatch, conversations: Sequence[Conversation]) -> torch.Tensor:
     """-log p(token) of every trained token, (K,) float32 on the CPU (differentiable). The LM
-    head runs on those K positions only."""
+    head runs on those K positions only, in chunks (engine/data/lm_head.py)."""
     positions = trained_positions(packed, conversations)
-    logits = packed_forward(model, packed, logits_positions=positions)[0]  # (K, V)
-    return -target_logprobs(logits, packed.input_ids[0, positions + 1]).cpu()
+    return -token_logprobs(model, packed, positions, packed.input_ids[0, positions + 1])[0].cpu()
 
 
 class TokenStats:

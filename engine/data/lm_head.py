@@ -1,0 +1,103 @@
+"""Log-probs (and entropy) of chosen tokens through the LM head in chunks of positions, so that no
+(K, V) logits tensor of a whole micro-batch is ever alive.
+
+At K = 8,192 predicted tokens and Qwen2.5's V = 151,936 the fp32 logits alone are 5 GB, and their
+softmax, its product with the log-probs and the backward each as much again. Here the model runs
+with its head on no position (its final hidden states (K, H) are kept), then the head runs on
+``HEAD_CHUNK`` positions at a time: log p(target) = z[target] - logsumexp(z) and the entropy
+logsumexp(z) - sum softmax(z) * z in float32. With gradients each chunk is recomputed in the
+backward (activation checkpointing, the non-reentrant kind), so forward and backward hold one
+chunk's logits at a time; the head's weight gets its gradient from every chunk (tied embeddings
+included). Liger-Kernel's fused linear cross-entropy and verl's fused PPO head do the same with
+custom kernels; this is the torch-only form, exact against the whole-matrix computation.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
+
+from engine.data.packing import PackedBatch, packed_forward
+
+HEAD_CHUNK = 1024  # positions per head call: (1024, 151,936) fp32 logits are 0.6 GB
+# Config attributes of architectures whose logits are not the head's output as is (Gemma 2/3's
+# softcapping, Cohere's and Granite's scaling): they take the whole-matrix path.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def _chunk_logprobs(
+    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, with_entropy: bool, entropy_grad: bool
+) -> torch.Tensor:
+    """(C, H) hidden states, (C,) token ids -> (C, 1) log p(target), or (C, 2) with the entropy."""
+    logits = head(hidden).float()  # (C, V)
+    lse = torch.logsumexp(logits, dim=-1)
+    logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+    if not with_entropy:
+        return logprobs[:, None]
+    z, lse_z = (logits, lse) if entropy_grad else (logits.detach(), lse.detach())
+    entropy = lse_z - (torch.softmax(z, dim=-1) * z).sum(-1)
+    return torch.stack([logprobs, entropy], dim=-1)
+
+
+def head_logprobs(
+    head: torch.nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    chunk: int = HEAD_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(K, H) final hidden states and (K,) target ids -> (K,) log p(target) and (K,) entropy (or
+    None), float32 on the hidden states' device, ``chunk`` positions at a time. Differentiable in
+    ``hidden`` and the head's weights; the entropy is detached unless ``entropy_grad``."""
+    targets = targets.to(hidden.device)
+    recompute = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
+    parts = []
+    for h, t in zip(hidden.split(chunk), targets.split(chunk)):
+        if recompute:
+            parts.append(checkpoint(_chunk_logprobs, head, h, t, with_entropy, entropy_grad, use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(head, h, t, with_entropy, entropy_grad))
+    stats = torch.cat(parts) if parts else hidden.new_zeros(0, 2 if with_entropy else 1, dtype=torch.float32)
+    if not with_entropy:
+        return stats[:, 0], None
+    return stats[:, 0], stats[:, 1] if entropy_grad else stats[:, 1].detach()
+
+
+def _whole_matrix_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool, entropy_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return head_logprobs(torch.nn.Identity(), logits, targets, with_entropy, entropy_grad, chunk=max(len(logits), 1))
+
+
+def token_logprobs(
+    model,
+    packed: PackedBatch,
+    positions: torch.Tensor,
+    targets: torch.Tensor,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A causal LM (bare, PEFT-wrapped or in a DeepSpeed engine) on a packed row: (K,) log p of
+    ``targets`` predicted at row ``positions`` and (K,) the entropy there (or None), float32 on
+    the model's device, the head run in chunks (:func:`head_logprobs`)."""
+    hf_model = cast(PreTrainedModel, getattr(model, "module", model))
+    if any(getattr(hf_model.config, name, None) for name in LOGIT_TRANSFORMS):
+        logits = packed_forward(model, packed, logits_positions=positions)[0]  # (K, V)
+        return _whole_matrix_logprobs(logits, targets, with_entropy, entropy_grad)
+    head = hf_model.get_output_embeddings()
+    kept: list[torch.Tensor] = []
+
+    def keep_hidden_states(_module, args):  # the head runs on no position; its input is kept
+        kept.append(args[0])
+        return (args[0][:, :0],)
+
+    hook = head.register_forward_pre_hook(keep_hidden_states)
+    try:
+        packed_forward(model, packed, logits_positions=positions)
+    finally:
+        hook.remove()
+    return head_logprobs(head, kept[0][0], targets, with_entropy, entropy_grad, HEAD_CHUNK)
