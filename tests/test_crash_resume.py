@@ -189,7 +189,9 @@ def test_resume_with_another_config_is_refused(rm_run, tmp_path):
     (tmp_path / "rm.json").write_text(json.dumps(config))
     refused = run_script("train_rm.py", tmp_path / "rm.json", "--resume")
     assert refused.returncode != 0
-    assert "belongs to a different run (pairs_per_step: checkpoint 32, now 16)" in refused.stdout + refused.stderr
+    said = refused.stdout + refused.stderr
+    assert "resume error: " in said and "belongs to a different run (pairs_per_step: checkpoint 32, now 16)" in said
+    assert "LOAD REPORT" not in said  # refused before any model loads
     # (with --allow-config-change it resumes: test_sigterm_writes_a_checkpoint_and_exits_cleanly)
 
 

@@ -3,9 +3,10 @@
 A micro-batch of token sequences becomes one row ``input_ids (1, T)`` with ``position_ids``
 restarting at 0 for every sequence and no attention mask. Attention implementations:
 
-* ``sdpa_varlen`` (registered here; the default for training): causal SDPA inside each
-  sequence of the row, from ``cu_seq_lens`` -- the CPU counterpart of flash-attn's varlen
-  kernel. A sequence of more than ``SHORT_SEQUENCE_TOKENS`` tokens gets a call of its own (cost
+* ``sdpa_varlen`` (registered here; the default for training): on CUDA in 16 bits, one varlen
+  flash-attention call for the whole row, shared prompts included (flash-attn's where installed,
+  else PyTorch's: engine/data/varlen_kernel.py). Elsewhere causal SDPA inside each sequence of the
+  row, from ``cu_seq_lens``. A sequence of more than ``SHORT_SEQUENCE_TOKENS`` tokens gets a call of its own (cost
   L^2); shorter neighbours share one call with a block-diagonal causal mask over at most
   ``SHORT_BLOCK_TOKENS`` tokens, since a call's fixed cost outweighs the math of a short
   sequence. Transformers builds no (T, T) mask for these calls (:func:`varlen_sdpa_mask`).
@@ -51,6 +52,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from engine.data.varlen_kernel import kernel_attention, varlen_kernel, varlen_layout
+
 VARLEN_SDPA = "sdpa_varlen"
 # Sequences of at most SHORT_SEQUENCE_TOKENS share attention calls, up to SHORT_BLOCK_TOKENS per call
 # (a block-diagonal causal mask): on 2 CPU cores a call's fixed cost outweighs a short sequence's
@@ -77,9 +80,12 @@ def varlen_sdpa_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    gqa = key.shape[1] != query.shape[1]  # grouped KV heads: SDPA repeats them itself
     bounds = cu_seq_lens.tolist()
     branches = kwargs.get("packed_branches") or ((),) * (len(bounds) - 1)
+    kernel = varlen_kernel(query.device, query.dtype) if not dropout else None
+    if kernel is not None:  # CUDA, 16-bit: one flash call (engine/data/varlen_kernel.py)
+        return kernel_attention(query, key, value, varlen_layout(bounds, branches), scaling, kernel), None
+    gqa = key.shape[1] != query.shape[1]  # grouped KV heads: SDPA repeats them itself
     # (prefix, branches) per segment; a prompt with one branch is a plain sequence
     segments: list[tuple[int, tuple[int, ...]]] = [
         (n - sum(b), b) if len(b) > 1 else (n, ())

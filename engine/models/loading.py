@@ -10,7 +10,6 @@ at every token.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 
 import torch
@@ -22,12 +21,10 @@ AUTO_ATTENTION = "auto"
 
 
 def resolve_attention(name: str, dtype: torch.dtype) -> str:
-    """``auto``: flash-attn's varlen kernel (``flash_attention_2``) on a GPU where flash-attn is
-    installed and the dtype is 16-bit, else ``sdpa_varlen``. Other names pass through."""
-    if name != AUTO_ATTENTION:
-        return name
-    gpu_flash = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
-    return "flash_attention_2" if gpu_flash and dtype in (torch.bfloat16, torch.float16) else VARLEN_SDPA
+    """``auto``: ``sdpa_varlen``, which on a GPU in 16 bits runs a varlen flash kernel (flash-attn's
+    where installed, else PyTorch's) with shared prompts, and elsewhere per-sequence SDPA. Other
+    names pass through (``flash_attention_2``: transformers' own flash-attn path, no shared prompts)."""
+    return VARLEN_SDPA if name == AUTO_ATTENTION else name
 
 
 def attention_shares_prompts(attn_implementation: str, bf16: bool) -> bool:

@@ -193,15 +193,14 @@ def _read_latest(ckpt_root: str) -> str | None:
     return name if _STEP_DIR.match(name) else None
 
 
-def load_checkpoint(
-    path: str, engines: dict[str, Any], run_identity: dict[str, Any], allow_config_change: bool
-) -> dict[str, Any]:
-    """Restore engines (weights, optimizer, scheduler) and RNGs; returns the trainer state.
-
-    Refuses (ResumeError) a checkpoint written by a run whose ``run_identity`` (model, data,
-    batch shape...) differs, unless ``allow_config_change``.
-    """
-    state = torch.load(os.path.join(path, f"trainer_state_rank{torch.distributed.get_rank()}.pt"), weights_only=True)
+def check_run_identity(path: str, run_identity: dict[str, Any], allow_config_change: bool) -> None:
+    """Refuse (ResumeError) the checkpoint at ``path`` when the run that wrote it had another
+    ``run_identity`` (model, data, batch shape...), unless ``allow_config_change``. Reads rank 0's
+    trainer state only: before any model loads."""
+    try:
+        state = torch.load(os.path.join(path, "trainer_state_rank0.pt"), weights_only=True)
+    except (OSError, pickle.UnpicklingError, RuntimeError) as e:
+        raise ResumeError(f"{path}: its trainer state cannot be read ({e})") from None
     saved = state.get("run_identity", {})
     changed = sorted(k for k in set(saved) | set(run_identity) if saved.get(k) != run_identity.get(k))
     if changed and not allow_config_change:
@@ -210,6 +209,12 @@ def load_checkpoint(
             f"{path} belongs to a different run ({details}). Use another logging.output_dir, or pass "
             "--allow-config-change to resume anyway."
         )
+
+
+def load_checkpoint(path: str, engines: dict[str, Any]) -> dict[str, Any]:
+    """Restore engines (weights, optimizer, scheduler) and RNGs; returns the trainer state
+    (:func:`check_run_identity` first)."""
+    state = torch.load(os.path.join(path, f"trainer_state_rank{torch.distributed.get_rank()}.pt"), weights_only=True)
     for name, engine in engines.items():
         try:
             load_path, _ = engine.load_checkpoint(

@@ -40,6 +40,7 @@ from engine.run.checkpoint import (
     CheckpointWriteError,
     OutputDirError,
     ResumeError,
+    check_run_identity,
     checkpoint_bytes,
     load_checkpoint,
     parameter_count,
@@ -98,8 +99,13 @@ class RunLifecycle:
         self._at_finish: list[Callable[[], None]] = []
         self.rollback: RollbackGuard | None = None
         self.rollback_lr_factor = 1.0
-        # Before any model loads: the checkpoint to resume, or RunRefused.
+        # Before any model loads: the checkpoint to resume, written by this run, or RunRefused.
         self.resume_from = check_output_dir(output_dir, export_dir, self.ckpt_root, run_args)
+        if self.resume_from:
+            try:
+                check_run_identity(self.resume_from, identity, run_args.allow_config_change)
+            except ResumeError as e:
+                raise RunRefused("resume", str(e)) from None
 
     # --- the registry -------------------------------------------------------------------------
     def track(self, name: str, obj: Checkpointable, *, rolls_back: bool) -> None:
@@ -159,7 +165,7 @@ class RunLifecycle:
             raise RunRefused("output", str(e)) from None
         torch.distributed.barrier()  # rank 0 made room before anyone writes
         if self.resume_from:
-            self._restore(self.resume_from, allow_config_change=self.run_args.allow_config_change, rollback=False)
+            self._restore(self.resume_from, rollback=False)
             for fn in self._after_restore:
                 fn()
         self.logger = RunLogger(
@@ -175,9 +181,9 @@ class RunLifecycle:
         self.bar = tqdm(total=total_steps, initial=self.step, disable=self.rank != 0 or not progress_bar, desc=desc)
         self.stop = GracefulStop()  # after vLLM started: its engine installs handlers of its own
 
-    def _restore(self, path: str, allow_config_change: bool, rollback: bool) -> dict[str, Any]:
+    def _restore(self, path: str, rollback: bool) -> dict[str, Any]:
         try:
-            state = load_checkpoint(path, self.engines, self.identity, allow_config_change)
+            state = load_checkpoint(path, self.engines)
             for name, (obj, rolls_back) in self._registry.items():
                 if rolls_back or not rollback:
                     obj.load_state_dict(state[name])
@@ -283,7 +289,7 @@ class RunLifecycle:
             self.event("rollback_give_up", str(e))
             raise RunEnded(3, f"training aborted: {e}") from None
         assert self.last_good is not None  # count_rollback refuses a rollback without one
-        saved = self._restore(self.last_good, allow_config_change=False, rollback=True)
+        saved = self._restore(self.last_good, rollback=True)
         new_scale = self.lr_scale * self.rollback_lr_factor
         scale_learning_rate(
             self.lr_engine, new_scale / saved["lr_scale"]

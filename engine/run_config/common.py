@@ -47,7 +47,7 @@ class ModelSection(Config):
     path: str = required("HF checkpoint directory (or hub name) of the base model")
     attn_implementation: Literal["auto", "sdpa_varlen", "flash_attention_2", "sdpa", "eager"] = option(
         "auto",
-        "attention: auto (flash_attention_2 on a GPU with flash-attn and bf16, else sdpa_varlen), sdpa_varlen, "
+        "attention: auto (sdpa_varlen: on a GPU in 16 bits one varlen flash call per packed row), sdpa_varlen, "
         "flash_attention_2, sdpa, eager",
     )
     bf16: bool | None = option(

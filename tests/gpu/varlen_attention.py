@@ -1,34 +1,52 @@
-"""PyTorch's own varlen attention on CUDA against our packed path (run by tests/gpu/check.sh).
+"""Our packed attention on CUDA against the CPU (run by tests/gpu/check.sh).
 
     python tests/gpu/varlen_attention.py
 
-Our ``sdpa_varlen`` (engine/data/packing.py) runs one causal SDPA call per packed sequence;
-``torch.nn.attention.varlen.varlen_attn`` (PyTorch >= 2.10, CUDA) runs the whole packed row in
-one flash kernel. For one packed row of 32 sequences (64-1,024 tokens) this prints the largest
-output gap of each against our path on the CPU in fp32, and the forward + backward time of both
-on the GPU in bf16. Exit status 1 when a gap is out of tolerance.
+``sdpa_varlen`` (engine/data/packing.py) runs, on CUDA in bf16, one varlen flash call for the whole
+packed row (engine/data/varlen_kernel.py: flash-attn's, else PyTorch's ``varlen_attn``), shared
+prompts included; on the CPU one causal SDPA call per sequence. For one packed row of 32 sequences
+(64-1,024 tokens), and for the same tokens as 8 shared-prompt segments of 4 branches, this prints
+the largest output gap of the GPU path (and of a bare ``varlen_attn`` call, plain row) against the
+CPU path in fp32, and the forward + backward time of each, and of the per-sequence loop on the GPU
+(the path before the kernel). Exit status 1 when a gap is out of tolerance.
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
 import sys
 import time
 from types import SimpleNamespace
 
 import torch
 
+from engine.data import packing
 from engine.data.packing import varlen_sdpa_attention
 
 HEADS, HEAD_DIM = 12, 64
 
 
-def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
-    """(T, H, D) in and out, through the packed path's attention function."""
+def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, branches=None) -> torch.Tensor:
+    """(T, H, D) in and out, through the packed path's attention function (``branches``: each
+    segment's branch lengths, as engine.data.packing.pack_shared makes them)."""
     out, _ = varlen_sdpa_attention(
-        SimpleNamespace(num_key_value_groups=1), *(x.transpose(0, 1)[None] for x in (q, k, v)), None, cu_seq_lens_q=cu
+        SimpleNamespace(num_key_value_groups=1),
+        *(x.transpose(0, 1)[None] for x in (q, k, v)),
+        None,
+        cu_seq_lens_q=cu,
+        packed_branches=branches,
     )
     return out[0]
+
+
+def loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, branches=None) -> torch.Tensor:
+    """The per-sequence SDPA loop on whatever device (the kernel switched off)."""
+    kernel, packing.varlen_kernel = packing.varlen_kernel, lambda device, dtype: None
+    try:
+        return ours(q, k, v, cu, branches)
+    finally:
+        packing.varlen_kernel = kernel
 
 
 def torch_varlen(
@@ -74,16 +92,27 @@ def main() -> int:
         has_varlen = False
         print(f"torch.nn.attention.varlen: not in this torch ({e})")
     gpu = [x.cuda().bfloat16().requires_grad_() for x in (q, k, v)]
-    candidates = [("sdpa_varlen (ours, loop)", ours)] + ([("torch varlen_attn", torch_varlen)] if has_varlen else [])
-    for name, fn in candidates:
+    # the same tokens as 8 segments: a prompt of the first sequence's length, then 3 branches of the next ones
+    lengths = lens.tolist()
+    segments = [(lengths[i], tuple(lengths[i + 1 : i + 4])) for i in range(0, 32, 4)]
+    tree_cu = torch.tensor([0, *itertools.accumulate(p + sum(b) for p, b in segments)], dtype=torch.int32)
+    tree_branches = tuple(b for _, b in segments)
+    want_tree = ours(q, k, v, tree_cu, tree_branches)
+    candidates = [
+        ("sdpa_varlen on cuda (the varlen kernel)", ours, cu, None, want),
+        ("sdpa_varlen on cuda, shared prompts", ours, tree_cu, tree_branches, want_tree),
+        ("per-sequence SDPA loop on cuda (before)", loop, cu, None, want),
+    ] + ([("bare torch varlen_attn", torch_varlen, cu, None, want)] if has_varlen else [])
+    for name, fn, bounds, branches, expected in candidates:
+        args = (*gpu, bounds) if branches is None else (*gpu, bounds, branches)
         try:
-            got = fn(*gpu, cu).float().cpu()
-            gap = (got - want).abs().max().item()
+            got = fn(*args).float().cpu()
+            gap = (got - expected).abs().max().item()
             ok = gap < 0.05  # bf16 against fp32
             status |= not ok
             print(
                 f"{'PASS' if ok else 'FAIL'} {name}: bf16 cuda vs fp32 cpu max gap {gap:.2e}; "
-                f"fwd+bwd {seconds(fn, *gpu, cu) * 1e3:.2f} ms"
+                f"fwd+bwd {seconds(fn, *args) * 1e3:.2f} ms"
             )
         except Exception as e:
             status = 1
