@@ -3,6 +3,7 @@ the plan is printed, nothing is trained or written."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -36,6 +37,8 @@ def test_ppo_dry_run_counts_four_models_and_writes_nothing(tiny_model_dir, rm_ru
             "--dry-run",
             "--deepspeed",
             "tiny_cpu_zero2.json",
+            "--device-memory-gib",
+            "0.5",
         ],
         capture_output=True,
         text=True,
@@ -58,6 +61,11 @@ def test_ppo_dry_run_counts_four_models_and_writes_nothing(tiny_model_dir, rm_ru
         line = next(line for line in out.splitlines() if line.strip().startswith(name))
         assert kind in line, line
     assert "vLLM sampler" in out
+    # the total per device (vLLM: 40% of the given 0.5 GiB, asleep while training) and the verdict
+    assert re.search(r"per device: .* \+ activations 0\.\d\d \+ vLLM 0\.20 GiB; peak 0\.\d\d GiB \(vLLM sleeps", out), (
+        out
+    )
+    assert "fits 0.5 GiB: yes, 0." in out
     assert not (tmp_path / "run").exists()
 
 
@@ -81,3 +89,57 @@ def test_ppo_dry_run_shows_the_tensor_parallel_layout(tiny_model_dir, rm_run, rm
     )
     weights = {tp: float(line.split(": ")[-1].split(" MiB weights per rank")[0]) for tp, line in lines.items()}
     assert weights[2] == pytest.approx(weights[1] / 2, abs=0.1)
+
+
+def test_the_memory_total_of_a_llama_3_8b_run_and_whether_it_fits(tmp_path):
+    """Llama-3-8B's shape (a config, no weights), PPO on 8 ranks under ZeRO-3 in bf16: each model's
+    states per device as DeepSpeed estimates them, activations of a 4,096-token micro-batch, vLLM's
+    share of the device, the peak (vLLM asleep while the trainers train) and the verdict."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from engine.models.deepspeed_glue import training_ds_config
+    from engine.run.memory_budget import DeviceBudget, activation_bytes, print_models
+
+    LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(tmp_path)
+    model = SimpleNamespace(path=str(tmp_path), trust_remote_code=False, bf16=True, gradient_checkpointing=False)
+    ds_config = training_ds_config(json.loads((REPO / "ds_configs" / "zero3.json").read_text()), True)
+    path = str(tmp_path)
+    states = print_models(
+        [
+            ("actor", path, False, None, True),
+            ("critic", path, True, ["value"], True),
+            ("reference", path, False, None, False),
+            ("reward model", path, True, ["reward"], False),
+        ],
+        ds_config,
+        8,
+        model,
+    )
+    assert {k: round(v / 2**30, 2) for k, v in states.items()} == {
+        "actor": 18.78,
+        "critic": 17.68,
+        "reference": 1.87,
+        "reward model": 1.75,
+    }
+    config = LlamaConfig.from_pretrained(tmp_path)
+    # 4,096 tokens x 32 layers x (7 x 4096 + 2 x 1024 + 4 x 14336) x 2 bytes, + one head chunk in fp32
+    assert activation_bytes(config, 4096, True, False) == 4096 * 32 * 88064 * 2 + 3 * 1024 * 128256 * 4
+    assert activation_bytes(config, 4096, True, True) < activation_bytes(config, 4096, True, False) / 6
+    fits = DeviceBudget(states, activation_bytes(config, 4096, True, False), 0.4 * 80 * 2**30, sampler_sleeps=True)
+    lines = fits.lines(80.0)
+    assert lines[0].endswith(
+        "activations 22.97 + vLLM 32.00 GiB; peak 72.08 GiB (vLLM sleeps while the trainers train)"
+    )
+    assert lines[1] == "fits 80 GiB: yes, 7.92 GiB to spare"
+    awake = DeviceBudget(states, activation_bytes(config, 4096, True, False), 0.4 * 80 * 2**30)
+    assert awake.lines(80.0)[1] == "fits 80 GiB: NO, 15.05 GiB over; the largest item is vLLM (32.00 GiB)"

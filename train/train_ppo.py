@@ -110,7 +110,11 @@ def main() -> int:
         )
     components = reward_components(cfg)
     if run_args.dry_run:
-        return ppo_plan(cfg, prompts, eval_prompts, tokenizer, ds_config, world) if rank == 0 else 0
+        return (
+            ppo_plan(cfg, prompts, eval_prompts, tokenizer, ds_config, world, run_args.device_memory_gib)
+            if rank == 0
+            else 0
+        )
     iterations = cfg.train.iterations
     run = RunLifecycle(
         output_dir=out,

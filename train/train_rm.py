@@ -74,7 +74,7 @@ def main() -> int:
         len(train), cfg.train.pairs_per_step, cfg.train.epochs, cfg.train.max_steps
     )
     if run_args.dry_run:
-        return rm_plan(cfg, train, validation, ds_config, world) if rank == 0 else 0
+        return rm_plan(cfg, train, validation, ds_config, world, run_args.device_memory_gib) if rank == 0 else 0
     run = RunLifecycle(
         output_dir=out,
         run_args=run_args,

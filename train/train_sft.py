@@ -68,7 +68,7 @@ def main() -> int:
     per_step = cfg.train.conversations_per_step
     steps_per_epoch, total_steps = epoch_schedule(len(train), per_step, cfg.train.epochs, cfg.train.max_steps)
     if run_args.dry_run:
-        return sft_plan(cfg, train, validation, ds_config, world) if rank == 0 else 0
+        return sft_plan(cfg, train, validation, ds_config, world, run_args.device_memory_gib) if rank == 0 else 0
     run = RunLifecycle(
         output_dir=out,
         run_args=run_args,

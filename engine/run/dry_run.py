@@ -12,9 +12,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
-from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
 from engine.data.batching import (
     epoch_order,
@@ -25,96 +22,21 @@ from engine.data.batching import (
     prompt_groups,
 )
 from engine.data.chat import prompt_ids
-from engine.models.deepspeed_glue import zero_stage
-from engine.models.loading import attention_shares_prompts, meta_model
-from engine.models.lora import add_adapters
-
-
-def size(num_bytes: float) -> str:
-    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
+from engine.models.loading import attention_shares_prompts
+from engine.run.memory_budget import (
+    frozen_memory,
+    parameter_counts,
+    print_budget,
+    print_models,
+    trained_memory,
+    vllm_bytes,
+    vllm_memory,
+)
 
 
 def length_stats(lengths: Sequence[int]) -> str:
     p50, p90 = np.percentile(lengths, [50, 90])
     return f"{len(lengths):,} items, tokens p50 {p50:.0f} / p90 {p90:.0f} / max {max(lengths)}"
-
-
-def parameter_counts(
-    path: str, value_head: bool, components: Sequence[str] | None = None, trust_remote_code: bool = False
-) -> tuple[int, int]:
-    """``(total, largest layer)`` parameters of the model a script would load from ``path``."""
-    model = meta_model(path, value_head, components, trust_remote_code)
-    total = sum(p.numel() for p in model.parameters())  # tied weights count once
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    return total, largest
-
-
-def trained_memory(total: int, largest: int, ds_config: dict[str, Any], world: int) -> str:
-    """DeepSpeed's estimate of a trained model's states (weights, gradients, Adam) per device and per node."""
-    stage, zero = zero_stage(ds_config), ds_config.get("zero_optimization", {})
-    offloaded = lambda key: zero.get(key, {}).get("device", "none") not in ("none", None)
-    if stage == 3:
-        cpu, device, _ = estimate_zero3_model_states_mem_needs(
-            total,
-            largest,
-            num_gpus_per_node=world,
-            cpu_offload=offloaded("offload_optimizer"),
-            cpu_offload_params=offloaded("offload_param"),
-        )
-    else:
-        cpu, device = estimate_zero2_model_states_mem_needs(
-            total, num_gpus_per_node=world, cpu_offload=offloaded("offload_optimizer")
-        )
-    return f"ZeRO-{stage}, {world} rank(s): {size(device)} per device, {size(cpu)} CPU per node"
-
-
-def weight_bytes(total: int, bf16: bool, shards: int = 1) -> str:
-    """The size of ``total`` parameters' weights split into ``shards``."""
-    return size(total * (2 if bf16 else 4) / shards)
-
-
-def frozen_memory(total: int, ds_config: dict[str, Any], world: int, bf16: bool) -> str:
-    return f"{weight_bytes(total, bf16, world if zero_stage(ds_config) == 3 else 1)} weights per device"
-
-
-def print_models(models: list[tuple], ds_config: dict[str, Any], world: int, cfg_model) -> None:
-    """models: (name, path, value_head, components, trained[, lora section]). With LoRA the base
-    weights are frozen and only the adapters (and a value head) have gradients and Adam states."""
-    for name, path, value_head, components, trained, *lora in models:
-        total, largest = parameter_counts(path, value_head, components, cfg_model.trust_remote_code)
-        if lora and lora[0].rank:
-            model = add_adapters(
-                meta_model(path, value_head, components, cfg_model.trust_remote_code), lora[0], causal_lm=not value_head
-            )
-            adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            print(
-                f"  {name:<12} {total:>15,} parameters (LoRA rank {lora[0].rank}: {adapters:,} trained): "
-                f"{frozen_memory(total, ds_config, world, cfg_model.bf16)} + "
-                f"{trained_memory(adapters, largest, ds_config, world)}; "
-                f"without LoRA: {trained_memory(total, largest, ds_config, world)}"
-            )
-            continue
-        memory = (
-            trained_memory(total, largest, ds_config, world)
-            if trained
-            else frozen_memory(total, ds_config, world, cfg_model.bf16)
-        )
-        print(f"  {name:<12} {total:>15,} parameters ({'trained' if trained else 'frozen'}): {memory}")
-
-
-def vllm_memory(cfg, world: int) -> str:
-    """The colocated vLLM engine's layout and per-rank memory: weights sharded over the
-    tensor-parallel group (norms stay whole, a small share), plus the KV cache."""
-    r, tp = cfg.rollout, cfg.rollout.tensor_parallel_size
-    total, _ = parameter_counts(cfg.actor.path, False, None, cfg.actor.trust_remote_code)
-    weights = weight_bytes(total, cfg.actor.bf16, tp)
-    cache = (
-        f"{r.vllm_kv_cache_mb} MiB KV cache"
-        if not torch.cuda.is_available()
-        else f"KV cache in {r.vllm_gpu_memory_utilization:.0%} of the GPU"
-    )
-    layout = f"{world // tp} engine(s) of tensor parallel size {tp}" if tp > 1 else f"{world} engine(s), one per rank"
-    return f"{layout}: {weights} weights per rank + {cache}"
 
 
 def step_plan(lengths: list[int], per_step: int, budget: int, world: int) -> str:
@@ -130,7 +52,9 @@ def step_plan(lengths: list[int], per_step: int, budget: int, world: int) -> str
     )
 
 
-def sft_plan(cfg, train: list, validation: list, ds_config: dict[str, Any], world: int) -> int:
+def sft_plan(
+    cfg, train: list, validation: list, ds_config: dict[str, Any], world: int, device_gib: float | None = None
+) -> int:
     """The SFT run: data, per-step micro-batch plan, parameters, memory."""
     print(f"dry run of train_sft.py ({world} rank(s)); nothing is trained or written")
     print(
@@ -145,7 +69,8 @@ def sft_plan(cfg, train: list, validation: list, ds_config: dict[str, Any], worl
     epoch = [train[i].num_tokens for i in epoch_order(len(train), cfg.train.seed, 0)]  # the first epoch's steps
     print(step_plan(epoch, per_step, cfg.train.max_tokens_per_micro_batch, world))
     print("models:")
-    print_models([("policy", cfg.model.path, False, None, True)], ds_config, world, cfg.model)
+    states = print_models([("policy", cfg.model.path, False, None, True)], ds_config, world, cfg.model)
+    print_budget(states, cfg.model, cfg.train.max_tokens_per_micro_batch, device_gib)
     return 0
 
 
@@ -169,16 +94,23 @@ def pairs_plan(cfg, train: list, validation: list, world: int) -> None:
     print(step_plan(epoch, per_step, cfg.train.max_tokens_per_micro_batch, world))
 
 
-def rm_plan(cfg, train: list, validation: list, ds_config: dict[str, Any], world: int) -> int:
+def rm_plan(
+    cfg, train: list, validation: list, ds_config: dict[str, Any], world: int, device_gib: float | None = None
+) -> int:
     """The reward-model run: data, per-step micro-batch plan, parameters, memory."""
     print(f"dry run of train_rm.py ({world} rank(s)); nothing is trained or written")
     pairs_plan(cfg, train, validation, world)
     print("models:")
-    print_models([("reward model", cfg.model.path, True, list(cfg.rm.components), True)], ds_config, world, cfg.model)
+    states = print_models(
+        [("reward model", cfg.model.path, True, list(cfg.rm.components), True)], ds_config, world, cfg.model
+    )
+    print_budget(states, cfg.model, cfg.train.max_tokens_per_micro_batch, device_gib)
     return 0
 
 
-def dpo_plan(cfg, train: list, validation: list, ds_config: dict[str, Any], world: int) -> int:
+def dpo_plan(
+    cfg, train: list, validation: list, ds_config: dict[str, Any], world: int, device_gib: float | None = None
+) -> int:
     """The DPO run: data, per-step micro-batch plan, the loss, the reference pass, parameters, memory."""
     print(f"dry run of train_dpo.py ({world} rank(s)); nothing is trained or written")
     pairs_plan(cfg, train, validation, world)
@@ -192,7 +124,8 @@ def dpo_plan(cfg, train: list, validation: list, ds_config: dict[str, Any], worl
         + (", the adapters off)" if cfg.model.lora.rank else ")")
     )
     print("models:")
-    print_models([("policy", cfg.model.path, False, None, True, cfg.model.lora)], ds_config, world, cfg.model)
+    states = print_models([("policy", cfg.model.path, False, None, True, cfg.model.lora)], ds_config, world, cfg.model)
+    print_budget(states, cfg.model, cfg.train.max_tokens_per_micro_batch, device_gib)
     return 0
 
 
@@ -219,7 +152,15 @@ def experience_micro_batches(cfg, prompt_lengths: list[int], budget: int) -> str
     )
 
 
-def ppo_plan(cfg, prompts: list, eval_prompts: list, tokenizer, ds_config: dict[str, Any], world: int) -> int:
+def ppo_plan(
+    cfg,
+    prompts: list,
+    eval_prompts: list,
+    tokenizer,
+    ds_config: dict[str, Any],
+    world: int,
+    device_gib: float | None = None,
+) -> int:
     """The PPO run: prompts, rollout and update batch plan (worst-case lengths), parameters, memory."""
     print(f"dry run of train_ppo.py ({world} rank(s)); nothing is trained or written")
     lengths = [len(prompt_ids(tokenizer, p.messages)) for p in prompts]
@@ -255,7 +196,7 @@ def ppo_plan(cfg, prompts: list, eval_prompts: list, tokenizer, ds_config: dict[
     critic = [("critic", source.path, True, source.components, True, cfg.critic.lora)] if cfg.has_critic() else []
     reference = [] if cfg.actor.lora.rank else [("reference", cfg.actor.path, False, None, False)]
     print("models:")
-    print_models(
+    states = print_models(
         [
             ("actor", cfg.actor.path, False, None, True, cfg.actor.lora),
             *critic,
@@ -283,6 +224,8 @@ def ppo_plan(cfg, prompts: list, eval_prompts: list, tokenizer, ds_config: dict[
         print("  reward model none: the score is the rewards section's components")
     if r.sampler == "vllm":
         print(f"  vLLM sampler: {vllm_memory(cfg, world)}")
+    sampler = vllm_bytes(cfg, device_gib) if r.sampler == "vllm" else 0.0
+    print_budget(states, cfg.actor, cfg.ppo.max_tokens_per_micro_batch, device_gib, sampler, r.vllm_sleep)
     print(f"score: {score_terms(cfg)}")
     print(f"objective: {objective_terms(cfg)}")
     if cfg.judge.active():

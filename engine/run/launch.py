@@ -37,6 +37,7 @@ class RunArgs:
     overwrite: bool  # a fresh run may replace the run already in the output directory
     allow_config_change: bool  # resume even if the checkpoint's run identity differs
     dry_run: bool  # print the plan (data, batches, parameters, memory) and exit: engine/run/dry_run.py
+    device_memory_gib: float | None = None  # with dry_run: say whether the run fits devices of this size
 
 
 def start_run(config_cls: type[T], description: str) -> tuple[T, RunArgs, int, int]:
@@ -60,6 +61,11 @@ def start_run(config_cls: type[T], description: str) -> tuple[T, RunArgs, int, i
     parser.add_argument(
         "--dry-run", action="store_true", help="print the run's plan (data, batches, parameters, memory) and exit"
     )
+    parser.add_argument(
+        "--device-memory-gib",
+        type=float,
+        help="with --dry-run: whether the run fits devices of this many GiB (vLLM takes its utilization share)",
+    )
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     args, overrides = parser.parse_known_args()
     try:
@@ -75,7 +81,10 @@ def start_run(config_cls: type[T], description: str) -> tuple[T, RunArgs, int, i
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    return cfg, RunArgs(args.resume, args.overwrite, args.allow_config_change, args.dry_run), rank, world
+    if args.device_memory_gib is not None and not (args.dry_run and args.device_memory_gib > 0):
+        raise RunRefused("config", "--device-memory-gib takes a positive size and goes with --dry-run")
+    run_args = RunArgs(args.resume, args.overwrite, args.allow_config_change, args.dry_run, args.device_memory_gib)
+    return cfg, run_args, rank, world
 
 
 def run_main(main: Callable[[], int]) -> NoReturn:
