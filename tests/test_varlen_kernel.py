@@ -35,10 +35,10 @@ def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
 
 
 def test_layout_of_plain_and_shared_prompt_rows():
-    plain = varlen_layout([0, 3, 8], [(), ()])
+    plain = varlen_layout((0, 3, 8), ((), ()))
     assert plain.cu_seq_q.tolist() == plain.cu_seq_k.tolist() == [0, 3, 8] and plain.key_rows.tolist() == list(range(8))
     # a sequence of 2, then a prompt of 3 with branches of 2 and 1: the prompt, then each branch over prompt + itself
-    shared = varlen_layout([0, 2, 8], [(2,), (2, 1)])
+    shared = varlen_layout((0, 2, 8), ((2,), (2, 1)))
     assert shared.cu_seq_q.tolist() == [0, 2, 5, 7, 8]
     assert shared.cu_seq_k.tolist() == [0, 2, 5, 10, 14]
     assert shared.key_rows.tolist() == [0, 1, 2, 3, 4, 2, 3, 4, 5, 6, 2, 3, 4, 7]

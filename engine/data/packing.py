@@ -84,7 +84,8 @@ def varlen_sdpa_attention(
     branches = kwargs.get("packed_branches") or ((),) * (len(bounds) - 1)
     kernel = varlen_kernel(query.device, query.dtype) if not dropout else None
     if kernel is not None:  # CUDA, 16-bit: one flash call (engine/data/varlen_kernel.py)
-        return kernel_attention(query, key, value, varlen_layout(bounds, branches), scaling, kernel), None
+        layout = varlen_layout(tuple(bounds), tuple(branches), query.device)
+        return kernel_attention(query, key, value, layout, scaling, kernel), None
     gqa = key.shape[1] != query.shape[1]  # grouped KV heads: SDPA repeats them itself
     # (prefix, branches) per segment; a prompt with one branch is a plain sequence
     segments: list[tuple[int, tuple[int, ...]]] = [

@@ -17,9 +17,10 @@ tests/test_varlen_kernel.py feeds it to a reference of the call.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,9 +39,14 @@ class VarlenLayout:
     max_k: int
 
 
-def varlen_layout(bounds: Sequence[int], branches: Sequence[tuple[int, ...]]) -> VarlenLayout:
+@functools.lru_cache(maxsize=8)
+def varlen_layout(
+    bounds: tuple[int, ...], branches: tuple[tuple[int, ...], ...], device: torch.device | None = None
+) -> VarlenLayout:
     """Query/key boundaries and gathered key rows of a packed row (``bounds``: cumulative sequence
-    boundaries; ``branches``: each segment's branch lengths, () or one branch for a plain one)."""
+    boundaries; ``branches``: each segment's branch lengths, () or one branch for a plain one), on
+    ``device`` (default the CPU). Cached: every layer of a forward (and its recomputation) asks
+    for the same row's layout."""
     q_bounds, k_bounds, key_rows = [0], [0], list[int]()
     for (start, end), segment in zip(itertools.pairwise(bounds), branches):
         parts: list[tuple[range, list[int]]]  # (query rows, key rows) of each query sequence
@@ -57,9 +63,9 @@ def varlen_layout(bounds: Sequence[int], branches: Sequence[tuple[int, ...]]) ->
             key_rows += keys
     q_lens, k_lens = (torch.tensor(b).diff() for b in (q_bounds, k_bounds))
     return VarlenLayout(
-        torch.tensor(q_bounds, dtype=torch.int32),
-        torch.tensor(k_bounds, dtype=torch.int32),
-        torch.tensor(key_rows, dtype=torch.long),
+        torch.tensor(q_bounds, dtype=torch.int32, device=device),
+        torch.tensor(k_bounds, dtype=torch.int32, device=device),
+        torch.tensor(key_rows, dtype=torch.long, device=device),
         int(q_lens.max()),
         int(k_lens.max()),
     )
@@ -92,9 +98,7 @@ def kernel_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: VarlenLayout, scale, kernel: Kernel
 ) -> torch.Tensor:
     """(1, H, T, D) query and (1, H_kv, T, D) keys and values of a packed row -> (1, T, H, D), one
-    ``kernel`` call over ``layout``."""
+    ``kernel`` call over ``layout`` (on the query's device)."""
     q = query[0].transpose(0, 1).contiguous()  # (T, H, D)
-    rows = layout.key_rows.to(query.device)
-    k, v = (t[0].transpose(0, 1).index_select(0, rows) for t in (key, value))  # (T_k, H_kv, D), contiguous
-    cu_q, cu_k = layout.cu_seq_q.to(query.device), layout.cu_seq_k.to(query.device)
-    return kernel(q, k, v, cu_q, cu_k, layout.max_q, layout.max_k, scale)[None]
+    k, v = (t[0].transpose(0, 1).index_select(0, layout.key_rows) for t in (key, value))  # (T_k, H_kv, D)
+    return kernel(q, k, v, layout.cu_seq_q, layout.cu_seq_k, layout.max_q, layout.max_k, scale)[None]

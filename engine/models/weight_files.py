@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
 
 from safetensors import SafetensorError, safe_open
 
@@ -26,7 +27,7 @@ class DamagedWeights(Exception):
     """A model directory's weights cannot load as its config describes; the message names the file."""
 
 
-def weight_files(path: str) -> dict[str, list[str] | None]:
+def weight_files(path: str) -> Mapping[str, list[str] | None]:
     """The directory's safetensors files, each with the tensors the index says it holds (None
     without an index)."""
     index = os.path.join(path, INDEX)
@@ -34,12 +35,13 @@ def weight_files(path: str) -> dict[str, list[str] | None]:
         try:
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
-            assert isinstance(weight_map, dict)
-        except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
+        except (OSError, ValueError, KeyError, TypeError) as e:
             raise DamagedWeights(f"{index}: not a safetensors index with a weight_map ({e})") from None
-        files: dict[str, list[str] | None] = {}
+        if not isinstance(weight_map, dict):
+            raise DamagedWeights(f"{index}: its weight_map is not a mapping of tensor names to files")
+        files: defaultdict[str, list[str]] = defaultdict(list)
         for name, file in weight_map.items():
-            files[str(file)] = [*(files.get(str(file)) or []), name]
+            files[str(file)].append(name)
         return files
     if os.path.isfile(os.path.join(path, SINGLE)):
         return {SINGLE: None}
