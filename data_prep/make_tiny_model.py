@@ -13,6 +13,7 @@ checkpoint. Same inputs and seed -> byte-identical tokenizer and weights.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -72,6 +73,23 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int) -> PreTrainedTokenize
     return tokenizer
 
 
+def pad_vocabulary(tokenizer: PreTrainedTokenizerFast, vocab_size: int) -> PreTrainedTokenizerFast:
+    """``tokenizer`` with BPE vocabulary entries added up to ``vocab_size`` ids (a real model's
+    head width): entries no merge produces, so encoding is unchanged and every id decodes."""
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = state["model"]["vocab"]
+    vocab.update({f"unused{i}": i for i in range(len(vocab), vocab_size)})
+    padded = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(state)),
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=IM_END,
+        padding_side="left",
+    )
+    padded.chat_template = CHAT_TEMPLATE
+    return padded
+
+
 def build_model(
     tokenizer: PreTrainedTokenizerFast,
     hidden_size: int,
@@ -81,6 +99,7 @@ def build_model(
     intermediate_size: int,
     max_position_embeddings: int,
     seed: int,
+    tie_embeddings: bool = False,
 ) -> LlamaForCausalLM:
     """Random-init Llama sized for CPU tests, one embedding row per tokenizer token."""
     head_dim = hidden_size // num_heads
@@ -100,7 +119,7 @@ def build_model(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_embeddings,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
@@ -123,6 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--intermediate-size", type=int, default=384)
     parser.add_argument("--max-position-embeddings", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--tie-embeddings", action="store_true", help="the LM head is the input embedding (Qwen2.5-0.5B)"
+    )
     args = parser.parse_args(argv)
 
     tokenizer = train_tokenizer(iter_texts(args.text), args.vocab_size)
@@ -135,6 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         intermediate_size=args.intermediate_size,
         max_position_embeddings=args.max_position_embeddings,
         seed=args.seed,
+        tie_embeddings=args.tie_embeddings,
     )
     tokenizer.save_pretrained(args.out)
     model.save_pretrained(args.out)

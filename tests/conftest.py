@@ -37,6 +37,17 @@ def tiny_model_dir(tmp_path_factory, synthetic_pairs) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tied_tiny_model_dir(tmp_path_factory, synthetic_pairs) -> Path:
+    """The tiny model with its LM head tied to its input embedding, as Qwen2.5-0.5B/1.5B have it."""
+    from data_prep import make_tiny_model
+
+    out = tmp_path_factory.mktemp("tied") / "model"
+    argv = ["--text", str(synthetic_pairs), "--out", str(out), "--num-layers", "2", "--tie-embeddings"]
+    assert make_tiny_model.main(argv) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
 def process_group(tmp_path_factory):
     """A one-process gloo group in the test process, for engine code that agrees over ranks
     (micro-batch counts, metric sums, barriers); subprocess tests start their own."""

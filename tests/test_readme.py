@@ -7,9 +7,10 @@ The README's first block (`make setup`, `make demo`, `make test`) is CI itself (
 and test) and the demo. The README's other blocks (the demo step by step) run first, then the
 pages of docs/ in DOCS_ORDER (later guides use the demo's data and models); a guide's command that
 repeats one already run is not run again; the arithmetic task's commands run in a lane of their own
-beside the others, and every launch on a free port. Training commands run shortened (`--train.max_steps 2`,
-`--train.iterations 1` appended: the full runs are the demo and the end-to-end tests); the guides
-prefer `--dry-run` where a full run adds nothing.
+beside the others, and every launch on a free port; a lane's plain `python` commands share one
+interpreter (tests/scripts/python_commands.py), each run as `python` would run it. Training
+commands run shortened (`--train.max_steps 2`, `--train.iterations 1` appended: the full runs are
+the demo and the end-to-end tests); the guides prefer `--dry-run` where a full run adds nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -135,13 +137,50 @@ def with_free_port(command: str) -> str:
     return command.replace("deepspeed --num_gpus", f"deepspeed --master_port {free_port()} --num_gpus")
 
 
+def python_arguments(command: str) -> list[str] | None:
+    """A plain ``python ...`` command's arguments after ``python`` (None for anything else: a
+    launcher, a pipe, a redirection, a variable)."""
+    words = shlex.split(command)
+    if words[0] != "python" or any(c in command for c in "|&;<>$`"):
+        return None
+    return words[1:]
+
+
 def run_lane(root: Path, env: dict[str, str], lane: list[tuple[str, str]]) -> None:
-    """Run ``(page, command)`` pairs in order; fail on the first that does not exit 0."""
-    for page, command in lane:
-        result = subprocess.run(
-            ["bash", "-c", with_free_port(command)], cwd=root, env=env, capture_output=True, text=True, timeout=600
-        )
-        assert result.returncode == 0, f"{page}: {command}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    """Run ``(page, command)`` pairs in order; fail on the first that does not exit 0. The lane's
+    plain ``python`` commands run one after another in one interpreter
+    (tests/scripts/python_commands.py: the imports paid once), the others in bash."""
+    interpreter = subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "scripts" / "python_commands.py")],
+        cwd=root,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert interpreter.stdin and interpreter.stdout
+    try:
+        for page, command in lane:
+            arguments = python_arguments(command)
+            if arguments is not None:
+                interpreter.stdin.write(json.dumps(arguments) + "\n")
+                interpreter.stdin.flush()
+                answer = json.loads(interpreter.stdout.readline() or '{"rc": -1, "output": "the interpreter died"}')
+                rc, output = answer["rc"], answer["output"]
+            else:
+                result = subprocess.run(
+                    ["bash", "-c", with_free_port(command)],
+                    cwd=root,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=600,
+                )
+                rc, output = result.returncode, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+            assert rc == 0, f"{page}: {command}\n{output[-6000:]}"
+    finally:
+        interpreter.stdin.close()
+        interpreter.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")

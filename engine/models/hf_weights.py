@@ -41,6 +41,13 @@ def weight_buckets(module: torch.nn.Module) -> Iterator[list[tuple[str, torch.nn
     yield [(name, p) for name, p in module.named_parameters() if id(p) not in in_layers]
 
 
+def ties_embeddings(module: torch.nn.Module) -> bool:
+    """Whether the model's LM head is its input embedding (one parameter, sent once)."""
+    base = module.get_base_model() if isinstance(module, PeftModel) else module
+    head = cast(PreTrainedModel, base).get_output_embeddings()
+    return head is not None and head.weight is cast(PreTrainedModel, base).get_input_embeddings().weight
+
+
 def hf_weight_buckets(module: torch.nn.Module) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """(HF name, full tensor) per bucket of :func:`weight_buckets`, valid until the next bucket
     (gathered from ZeRO-3 meanwhile). All ranks iterate it to the end (the gathers are collectives).

@@ -69,3 +69,7 @@ class ReferenceView:
     def __call__(self, **inputs):
         with adapters_disabled(self.module):
             return self.actor_engine(**inputs)
+
+    def empty_partition_cache(self) -> None:
+        """Release the gathered parameters (the weight sync, engine/rollout/weight_sync.py)."""
+        self.actor_engine.empty_partition_cache()

@@ -112,11 +112,11 @@ class HeldOutEvaluator:
                 pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
                 reference_sampler = HFSampler(engines.ref, pad_token_id=pad, eos_token_id=eos)
             else:
-                sampler.sync_weights(engines.ref.module)
+                sampler.sync_weights(engines.ref)
                 reference_sampler = sampler
             self.reference = self.respond(reference_sampler, self.settings.temperature, REFERENCE_SEED, judged=True)
         if not hf:
-            sampler.sync_weights(engines.actor.module)
+            sampler.sync_weights(engines.actor)
         self.reference_distinct = self.distinct_over_ranks(self.reference)
 
     def distinct_over_ranks(self, responses: Responses) -> float:

@@ -22,12 +22,15 @@ import gc
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.run.checkpoint import rng_state, set_rng_state
 from engine.run.cpu_threads import confine_openmp_to_this_thread
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
 
 @dataclass(frozen=True)
@@ -173,11 +176,12 @@ class VLLMSampler:
             for prompt, out in zip(prompts, outputs)
         ]
 
-    def sync_weights(self, actor_module: torch.nn.Module) -> None:
+    def sync_weights(self, engine: DeepSpeedEngine) -> None:
+        """Load ``engine``'s model (the actor, or the reference for a held-out comparison) into vLLM."""
         from engine.rollout.weight_sync import push_weights_to_vllm
 
         self._wake()
-        push_weights_to_vllm(actor_module, self.llm)
+        push_weights_to_vllm(engine, self.llm)
 
     def close(self) -> None:
         """Shut vLLM down while the process group still exists (its exit hook tears down the
@@ -249,7 +253,7 @@ class HFSampler:
             )
         return [samples[i * settings.n : (i + 1) * settings.n] for i in range(len(prompts))]
 
-    def sync_weights(self, actor_module: torch.nn.Module) -> None:
+    def sync_weights(self, engine: DeepSpeedEngine) -> None:
         """Nothing to do: it samples from the actor itself."""
 
     def sleep(self) -> None:

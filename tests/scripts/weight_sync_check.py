@@ -96,11 +96,11 @@ def main() -> None:
         engine.step()
     v_stale, h1 = tokens(vllm.generate(prompts, GREEDY, 0)), tokens(hf.generate(prompts, GREEDY, 0))
     start = time.perf_counter()
-    vllm.sync_weights(engine.module)
+    vllm.sync_weights(engine)
     sync_s = time.perf_counter() - start
     v1 = tokens(vllm.generate(prompts, GREEDY, 0))
     with adapters_disabled(engine.module):  # LoRA: the base weights, i.e. the reference; else the same weights again
-        vllm.sync_weights(engine.module)
+        vllm.sync_weights(engine)
     reference = tokens(vllm.generate(prompts, GREEDY, 0))
     start = time.perf_counter()
     vllm.generate(prompts, GREEDY, 0)
