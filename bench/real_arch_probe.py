@@ -47,7 +47,7 @@ from engine.observe.records import read_records  # noqa: E402
 
 RANKS = 2
 # Published configs (Qwen/Qwen2.5-0.5B; Llama-3.1-8B's ratios at width 1024: GQA 4:1, head_dim 128,
-# MLP 3.5 h, rope theta 5e5 with llama3 scaling, untied head); depth is --layers.
+# MLP 3.5 h, rope theta 5e5 with llama3 scaling, untied head) and their real depth (the probe runs --layers).
 SHAPES: dict[str, tuple[type[PretrainedConfig], dict, int]] = {
     "qwen2.5-0.5b": (
         Qwen2Config,
@@ -127,7 +127,11 @@ def prepare(shape: str, layers: int, out: Path) -> Path:
     bpe = train_tokenizer(iter_texts([str(raw / "pairs.jsonl")]), 4096)
     tokenizer = pad_vocabulary(bpe, SHAPES[shape][1]["vocab_size"])
     params = build_model(shape, layers, tokenizer, model)
-    print(f"{shape}: {layers} layers, {params / 1e6:.1f}M parameters, vocabulary {len(tokenizer):,}", flush=True)
+    depth = SHAPES[shape][2]
+    print(
+        f"{shape}: {layers} of {depth} layers, {params / 1e6:.1f}M parameters, vocabulary {len(tokenizer):,}",
+        flush=True,
+    )
     for module, source in (("data_prep.prepare_sft", "demos"), ("data_prep.prepare_preferences", "pairs")):
         subprocess.run(
             [*py, module, "--input", str(raw / f"{source}.jsonl"), "--tokenizer", str(model), "--out", str(data)],

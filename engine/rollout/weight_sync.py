@@ -34,7 +34,7 @@ def push_weights_to_vllm(engine: DeepSpeedEngine, llm) -> None:
     vllm_logger.setLevel(logging.ERROR)  # a partial reload warns about every layer not in the bucket
     # ZeRO-3: a forward without backward (generate, an experience or held-out forward) can leave
     # parameters it prefetched gathered or in flight; a bucket's gather must start from none (a
-    # parameter in flight would reach vLLM empty: measured on a Qwen/Llama-sized layer).
+    # parameter in flight would reach vLLM empty: bench/real_arch_probe.py, Llama-3 shape).
     engine.empty_partition_cache()
     try:
         for weights in hf_weight_buckets(engine.module):
