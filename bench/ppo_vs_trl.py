@@ -66,6 +66,95 @@ def write_run_prompts(source: Path, count: int, out: Path, out_in_order: Path) -
     pq.write_table(table.take(epoch_order(table.num_rows, 0, 0)), out_in_order)
 
 
+def prepare_ppo_run(
+    work: Path, shape: list[str], iterations: int, samples_per_prompt: int
+) -> tuple[Path, Path, list[str]]:
+    """In ``work``: the tiny model of ``shape`` (make_tiny_model flags) with a byte-BPE tokenizer on HH text, a
+    reward model trained 20 steps on the HH pairs, and 16 x ``iterations`` prompts. Returns (the model, the
+    prompts in the order train.seed 0 draws them, train_ppo.py's overrides for a run on them: 16 prompts x
+    ``samples_per_prompt`` x 64 new tokens, one mini-batch, no evaluation or checkpoint)."""
+    launcher = str(Path(sys.executable).parent / "deepspeed")
+    model, data, py = work / "tiny", work / "data", sys.executable
+    run(
+        [
+            py,
+            "-m",
+            "data_prep.make_tiny_model",
+            "--text",
+            str(HH),
+            "--out",
+            str(model),
+            "--vocab-size",
+            "4096",
+            *shape,
+        ]
+    )
+    run(
+        [
+            py,
+            "-m",
+            "data_prep.prepare_preferences",
+            "--input",
+            str(HH),
+            "--tokenizer",
+            str(model),
+            "--out",
+            str(data),
+            "--max-prompt-length",
+            "256",
+            "--max-length",
+            "512",
+        ]
+    )
+    rm_config = {
+        "model": {"path": str(model)},
+        "data": {"train": str(data / "train.parquet"), "validation": str(data / "validation.parquet")},
+        "deepspeed": "tiny_cpu_zero2.json",
+        "train": {"max_steps": 20, "pairs_per_step": 16, "max_tokens_per_micro_batch": 4096},
+        "optim": {"lr": 1e-4},
+        "logging": {"output_dir": str(work / "rm"), "wandb": False, "tensorboard": False, "progress_bar": False},
+    }
+    (work / "rm.json").write_text(json.dumps(rm_config))
+    run([launcher, "--num_gpus", "1", "train/train_rm.py", "--config", str(work / "rm.json")])
+    prompts, in_order = work / "prompts.parquet", work / "prompts_in_order.parquet"
+    write_run_prompts(data / "prompts_train.parquet", 16 * iterations, prompts, in_order)
+    overrides = [
+        "--actor.path",
+        str(model),
+        "--reward_model.path",
+        str(work / "rm" / "model"),
+        "--data.prompts",
+        str(prompts),
+        "--data.eval_prompts",
+        "",
+        "--train.seed",
+        "0",
+        "--rollout.samples_per_prompt",
+        str(samples_per_prompt),
+        "--rollout.max_new_tokens",
+        "64",
+        "--ppo.mini_batch_size",
+        str(16 * samples_per_prompt),
+        "--ppo.max_tokens_per_micro_batch",
+        "4096",
+        "--rollout.vllm_max_model_len",
+        "512",
+        "--train.iterations",
+        str(iterations),
+        "--train.eval_every",
+        "0",
+        "--checkpoint.every_steps",
+        "0",
+        "--logging.wandb",
+        "false",
+        "--logging.tensorboard",
+        "false",
+        "--logging.progress_bar",
+        "false",
+    ]
+    return model, in_order, overrides
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iterations", type=int, default=10)
@@ -88,84 +177,7 @@ def main() -> int:
     launcher = str(Path(sys.executable).parent / "deepspeed")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model, data, py = work / "tiny", work / "data", sys.executable
-        run(
-            [
-                py,
-                "-m",
-                "data_prep.make_tiny_model",
-                "--text",
-                str(HH),
-                "--out",
-                str(model),
-                "--vocab-size",
-                "4096",
-                *shape,
-            ]
-        )
-        run(
-            [
-                py,
-                "-m",
-                "data_prep.prepare_preferences",
-                "--input",
-                str(HH),
-                "--tokenizer",
-                str(model),
-                "--out",
-                str(data),
-                "--max-prompt-length",
-                "256",
-                "--max-length",
-                "512",
-            ]
-        )
-        rm_config = {
-            "model": {"path": str(model)},
-            "data": {"train": str(data / "train.parquet"), "validation": str(data / "validation.parquet")},
-            "deepspeed": "tiny_cpu_zero2.json",
-            "train": {"max_steps": 20, "pairs_per_step": 16, "max_tokens_per_micro_batch": 4096},
-            "optim": {"lr": 1e-4},
-            "logging": {"output_dir": str(work / "rm"), "wandb": False, "tensorboard": False, "progress_bar": False},
-        }
-        (work / "rm.json").write_text(json.dumps(rm_config))
-        run([launcher, "--num_gpus", "1", "train/train_rm.py", "--config", str(work / "rm.json")])
-        prompts, in_order = work / "prompts.parquet", work / "prompts_in_order.parquet"
-        write_run_prompts(data / "prompts_train.parquet", 16 * args.iterations, prompts, in_order)
-        ppo_overrides = [
-            "--actor.path",
-            str(model),
-            "--reward_model.path",
-            str(work / "rm" / "model"),
-            "--data.prompts",
-            str(prompts),
-            "--data.eval_prompts",
-            "",
-            "--train.seed",
-            "0",
-            "--rollout.samples_per_prompt",
-            str(k),
-            "--rollout.max_new_tokens",
-            "64",
-            "--ppo.mini_batch_size",
-            str(16 * k),
-            "--ppo.max_tokens_per_micro_batch",
-            "4096",
-            "--rollout.vllm_max_model_len",
-            "512",
-            "--train.iterations",
-            str(args.iterations),
-            "--train.eval_every",
-            "0",
-            "--checkpoint.every_steps",
-            "0",
-            "--logging.wandb",
-            "false",
-            "--logging.tensorboard",
-            "false",
-            "--logging.progress_bar",
-            "false",
-        ]
+        model, in_order, ppo_overrides = prepare_ppo_run(work, shape, args.iterations, k)
 
         def run_ours(label: str, out: Path) -> list[dict]:
             run(
@@ -219,7 +231,7 @@ def main() -> int:
             return json.loads(
                 run(
                     [
-                        py,
+                        sys.executable,
                         "bench/model_math.py",
                         "--actor",
                         str(model),

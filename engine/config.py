@@ -64,6 +64,10 @@ class Config(BaseModel):
     def check_world_size(self, world: int) -> None:
         """Rules on the number of ranks, which only a started run knows (engine/run/launch.start_run calls this)."""
 
+    def generation_ranks(self) -> int:
+        """How many of the launched ranks only generate (PPO's async rollout; engine/run/distributed.py)."""
+        return 0
+
 
 def option(
     default: Any,

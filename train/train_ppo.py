@@ -34,8 +34,9 @@ from engine.ppo.monitors import HackingMonitor, MonitorLimits, act_on_flags
 from engine.ppo.settings import ExperienceSettings, UpdateSettings
 from engine.ppo.update import update_on_rollout
 from engine.rewards.components import RewardsUnavailable
-from engine.rollout.sampler import SamplingSettings
-from engine.run.distributed import accelerator_memory_metrics, mean_over_ranks
+from engine.rollout.generation_rank import serve
+from engine.rollout.remote import WeightSyncFailed
+from engine.run.distributed import accelerator_memory_metrics, mean_over_ranks, split_world
 from engine.run.dry_run import ppo_plan
 from engine.run.guards import KLGuard, NonFiniteGuard, RollbackGuard
 from engine.run.launch import run_main, start_run
@@ -77,11 +78,14 @@ def ppo_iteration(
     t4 = time.perf_counter()
     rollout_stats = mean_over_ranks(rollout_stats)
     rollout_stats["kl_per_token"] = rollout_stats["kl"] / max(rollout_stats["response_length"], 1.0)
-    generate_s, score_s, tokens = (collected.pop(k) for k in ("generate_s", "score_s", "generated_tokens"))
+    generate_s, wait_s, score_s, tokens = (
+        collected.pop(k) for k in ("generate_s", "wait_s", "score_s", "generated_tokens")
+    )
     return (
         {k if k.startswith("reward/") else f"ppo/{k}": v for k, v in (rollout_stats | collected | train_stats).items()}
         | {
             "timing/generate_s": generate_s,
+            "timing/rollout_wait_s": wait_s,
             "timing/score_s": score_s,
             "timing/make_experience_s": t2 - t1,
             "timing/train_s": t3 - t2,
@@ -99,6 +103,8 @@ def main() -> int:
     ds_config = training_ds_config(cfg.deepspeed, cfg.actor.bf16)
     tokenizers = check_models(cfg)
     tokenizer = tokenizers.actor
+    if (split := split_world()) and split.generates():  # rollout.mode async: this rank only generates
+        return serve(build_sampler(cfg, None, tokenizer, rank), split)
     prompts = load_fitting_prompts(cfg.data.prompts, tokenizer, cfg, rank)
     eval_prompts = (
         load_fitting_prompts(cfg.data.eval_prompts, tokenizer, cfg, rank, True) if cfg.data.eval_prompts else []
@@ -161,13 +167,7 @@ def main() -> int:
         cfg.ppo.old_logprobs_from, cfg.ppo.sampler_check_every, cfg.ppo.sampler_logprob_tolerance
     )
     run.track("old_logprobs", old_logprobs, rolls_back=False)
-    sampling = SamplingSettings(
-        cfg.rollout.samples_per_prompt, cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens
-    )
-    rounds = cfg.rollout.max_generation_rounds if cfg.rollout.dynamic_sampling else None
-    collector = RolloutCollector(
-        prompts, cfg.rollout.prompts_per_iteration, cfg.train.seed, sampler, sampling, scorers.run, tokenizer, rounds
-    )
+    collector = RolloutCollector.for_run(cfg, prompts, sampler, scorers.run, tokenizer)
     run.track("rollout", collector, rolls_back=True)  # the prompt position and the groups waiting
     run.after_restore(partial(sampler.sync_weights, engines.actor))
     run.at_finish(sampler.close)
@@ -189,7 +189,13 @@ def main() -> int:
     if rank == 0:
         print(
             f"train_ppo: {len(prompts)} prompts, {iterations} iterations, {world} rank(s), sampler "
-            f"{cfg.rollout.sampler}, actor {describe_engine(engines.actor)}"
+            f"{cfg.rollout.sampler}"
+            + (
+                f" on a rank of its own (async, max_staleness {cfg.rollout.max_staleness})"
+                if cfg.rollout.mode == "async"
+                else ""
+            )
+            + f", actor {describe_engine(engines.actor)}"
             + (
                 f", critic values from {'the first critic step' if update.values_gae else 'an experience forward'}"
                 if engines.critic
@@ -202,7 +208,7 @@ def main() -> int:
             eval_prompts,
             tokenizer,
             scorers,
-            sampling,
+            collector.sampling,
             cfg.ppo.max_tokens_per_micro_batch,
             (cfg.monitors.ngram, cfg.monitors.distinct_n),
             cfg.ppo.share_prompt,
@@ -278,6 +284,8 @@ def main() -> int:
         return run.finish(
             2, f"reward error: {e}\ncheckpoint {run.save()}; continue with the same command plus --resume"
         )
+    except WeightSyncFailed as e:  # read with a batch, before it is trained on: a step boundary
+        return run.finish(2, f"weight sync error: {e}\ncheckpoint {run.save()}")
     save_hf_model(engines.actor, tokenizer, os.path.join(out, "actor"))
     summary = (
         f"ppo {f'finished with {monitor.summary()};' if monitor.raised else 'done:'} {iterations} iterations, "

@@ -20,13 +20,13 @@ import torch
 
 from engine.data.batching import epoch_order
 from engine.data.chat import prompt_ids
-from engine.rollout.sampler import Sample
+from engine.rollout.sampler import Generated, Sample, SamplingSettings
 from engine.run.distributed import all_reduce
 
 if TYPE_CHECKING:
     from engine.data.prompts import Prompt
     from engine.ppo.rewards import RewardScorer
-    from engine.rollout.sampler import SamplingSettings
+    from engine.run_config import PPOConfig
 
 
 @dataclass
@@ -81,23 +81,49 @@ class RolloutCollector:
         scorer: RewardScorer,
         tokenizer,
         max_rounds: int | None,
+        ahead: int = 0,
+        last_draw: int | None = None,
     ):
         self.prompts, self.per_draw, self.seed = prompts, prompts_per_iteration, seed
         self.sampler, self.sampling, self.scorer, self.tokenizer = sampler, sampling, scorer, tokenizer
         self.max_rounds = max_rounds  # None: no dynamic sampling
+        self.ahead = ahead  # draws asked for beyond the one collected (an async rollout's max_staleness)...
+        self.last_draw = last_draw  # ...up to this one (the run's last iteration)
+        self.asked: dict[int, tuple[Any, int]] = {}  # draw -> (its generation, the draw collected when it was asked)
         self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.share = prompts_per_iteration // self.world
         self.draws_per_epoch = len(prompts) // prompts_per_iteration
         self.draws = 0
         self.waiting: list[Group] = []
 
+    @classmethod
+    def for_run(cls, cfg: PPOConfig, prompts: Sequence[Prompt], sampler, scorer: RewardScorer, tokenizer):
+        """The collector of ``cfg``: its sampling settings, dynamic sampling's rounds, the async rollout's
+        draws asked for ahead (up to the run's last)."""
+        rollout = cfg.rollout
+        ahead = rollout.max_staleness if rollout.mode == "async" else 0
+        return cls(
+            prompts,
+            rollout.prompts_per_iteration,
+            cfg.train.seed,
+            sampler,
+            SamplingSettings(rollout.samples_per_prompt, rollout.temperature, rollout.top_p, rollout.max_new_tokens),
+            scorer,
+            tokenizer,
+            rollout.max_generation_rounds if rollout.dynamic_sampling else None,
+            ahead,
+            cfg.train.iterations - 1 if ahead else None,
+        )
+
     def collect(self) -> tuple[Rollout, dict[str, float]]:
-        """This iteration's rollout and statistics: ``generate_s``, ``score_s``, ``generated_tokens``
-        (all ranks); with dynamic sampling also ``kept_share`` (groups with signal / groups drawn, all
+        """This iteration's rollout and statistics: ``generate_s``, ``wait_s`` (for the samples: the
+        generation itself when it is colocated), ``score_s``, ``generated_tokens`` (all ranks), ``staleness``
+        (policy versions between the samples' and the actor's); with dynamic sampling also ``kept_share``
+        (groups with signal / groups drawn, all
         ranks), ``generation_rounds``, ``filled_groups`` (dropped groups trained for want of others),
         ``waiting_groups`` and ``sampled_score`` (mean over every sample drawn, kept or not). A
         collective. Nothing changes when scoring raises (the iteration repeats on resume)."""
-        draws, rounds, timing = self.draws, 0, {"generate_s": 0.0, "score_s": 0.0}
+        draws, rounds, timing = self.draws, 0, {"generate_s": 0.0, "wait_s": 0.0, "score_s": 0.0, "staleness": 0.0}
         if self.max_rounds is None:
             batch, draws, rounds = self._draw(draws, timing), draws + 1, 1
             drawn, waiting, filled = batch, list[Group](), 0
@@ -125,25 +151,34 @@ class RolloutCollector:
         """Whether some rank holds fewer than its share of groups with signal (a collective)."""
         return bool(all_reduce(torch.tensor([max(self.share - kept, 0)])).item())
 
-    def _draw(self, draw: int, timing: dict[str, float]) -> list[Group]:
-        """Sample and score this rank's slice of draw ``draw`` (a collective: the scorer's)."""
+    def _indices(self, draw: int) -> list[int]:
+        """This rank's slice of draw ``draw``: indices into the prompt list."""
         epoch, in_epoch = divmod(draw, self.draws_per_epoch)
         start = in_epoch * self.per_draw + self.rank * self.share
-        indices = [int(i) for i in epoch_order(len(self.prompts), self.seed, epoch)[start : start + self.share]]
+        return [int(i) for i in epoch_order(len(self.prompts), self.seed, epoch)[start : start + self.share]]
+
+    def _draw(self, draw: int, timing: dict[str, float]) -> list[Group]:
+        """Sample and score this rank's slice of draw ``draw`` (a collective: the scorer's). The draws up to
+        ``ahead`` beyond it are asked for first: an async rollout generates them while this one trains."""
         t0 = time.perf_counter()
-        groups = self.sampler.generate(
-            [prompt_ids(self.tokenizer, self.prompts[i].messages) for i in indices],
-            self.sampling,
-            request_seed=draw * self.world + self.rank,
-        )
+        last = draw + self.ahead if self.last_draw is None else min(draw + self.ahead, self.last_draw)
+        for d in range(draw, last + 1):
+            if d not in self.asked:
+                prompts = [prompt_ids(self.tokenizer, self.prompts[i].messages) for i in self._indices(d)]
+                self.asked[d] = (self.sampler.submit(prompts, self.sampling, d * self.world + self.rank), draw)
+        generation, asked_at = self.asked.pop(draw)
+        groups, generate_s = generation.result()
         self.sampler.sleep()  # GPU: its memory goes to the scoring, experience forwards and training
         t1 = time.perf_counter()
+        indices = self._indices(draw)
         samples = [s for group in groups for s in group]
         scores, parts = self.scorer.score_samples(
             samples, [self.prompts[i] for i, group in zip(indices, groups) for _ in group], self.tokenizer
         )
-        timing["generate_s"] += t1 - t0
+        timing["generate_s"] += generate_s
+        timing["wait_s"] += t1 - t0
         timing["score_s"] += time.perf_counter() - t1
+        timing["staleness"] = max(timing["staleness"], draw - asked_at)  # policy versions behind the actor
         n = self.sampling.n
         return [
             Group(
@@ -181,8 +216,17 @@ class RolloutCollector:
         }
 
     def state_dict(self) -> dict[str, Any]:
+        """The position, the waiting groups and the draws generated ahead (waited for: a resume trains on
+        the same samples)."""
+        asked = []
+        for draw, (generation, asked_at) in sorted(self.asked.items()):
+            samples, generate_s = generation.result()
+            self.asked[draw] = (Generated(samples, generate_s), asked_at)
+            samples_dicts = [[asdict(s) for s in group] for group in samples]
+            asked.append({"draw": draw, "asked_at": asked_at, "samples": samples_dicts, "generate_s": generate_s})
         return {
             "draws": self.draws,
+            "asked": asked,
             "waiting": [
                 {"prompt": g.prompt, "samples": [asdict(s) for s in g.samples], "scores": g.scores, "parts": g.parts}
                 for g in self.waiting
@@ -191,6 +235,10 @@ class RolloutCollector:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.draws = state["draws"]
+        self.asked = {  # what was asked for after the checkpoint is dropped (a rollback)
+            a["draw"]: (Generated([[Sample(**s) for s in g] for g in a["samples"]], a["generate_s"]), a["asked_at"])
+            for a in state.get("asked", [])
+        }
         self.waiting = [
             Group(g["prompt"], [Sample(**s) for s in g["samples"]], g["scores"], g["parts"]) for g in state["waiting"]
         ]

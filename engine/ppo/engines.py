@@ -26,7 +26,9 @@ from engine.models.lora import ReferenceView, add_adapters
 from engine.ppo.inputs import Tokenizers
 from engine.ppo.rewards import RewardModelScorer, RewardScorer, Scorers
 from engine.rewards.components import RewardComponents
+from engine.rollout.remote import RemoteSampler, RolloutLink
 from engine.rollout.sampler import HFSampler, VLLMSampler
+from engine.run.distributed import split_world
 from engine.run_config import PPOConfig
 from engine.run_config.rewards import RewardsSection
 
@@ -106,7 +108,10 @@ def critic_value_weights(cfg: PPOConfig, reward_model: RewardModelScorer | None)
 
 
 def build_sampler(cfg: PPOConfig, actor_engine, tokenizer, rank: int):
-    """vLLM in this process (after the engines: its external_launcher reuses their group), or HF generate."""
+    """vLLM in this process (after the engines: its external_launcher reuses their group), HF generate, or
+    (rollout.mode async, on a training rank) requests to the generating rank."""
+    if cfg.rollout.mode == "async" and (split := split_world()) and not split.generates():
+        return RemoteSampler(RolloutLink(split), rank)
     if cfg.rollout.sampler == "hf":
         return HFSampler(actor_engine, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     tp = cfg.rollout.tensor_parallel_size  # the ranks of a TP group run one engine: the same seed

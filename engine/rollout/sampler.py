@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,24 @@ class SamplingSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 64
+
+
+@dataclass(frozen=True)
+class Generated:
+    """Samples generated at once (a colocated sampler's :meth:`VLLMSampler.submit`)."""
+
+    samples: list[list[Sample]]
+    generate_s: float
+
+    def result(self) -> tuple[list[list[Sample]], float]:
+        """(samples per prompt, seconds spent generating them): the interface of a request to another rank."""
+        return self.samples, self.generate_s
+
+
+def generate_now(sampler, prompts: Sequence[list[int]], settings: SamplingSettings, request_seed: int) -> Generated:
+    t0 = time.perf_counter()
+    samples = sampler.generate(prompts, settings, request_seed)
+    return Generated(samples, time.perf_counter() - t0)
 
 
 def sampled_logprobs(logprobs, token_ids: Sequence[int]) -> list[float]:
@@ -140,6 +159,10 @@ class VLLMSampler:
         torch.distributed.all_gather_object(requests, (list(prompts), request_seed), group=self.tp_group)
         mine = torch.distributed.get_rank(self.tp_group)
         return [self._generate(p, settings, seed) for p, seed in requests][mine]
+
+    def submit(self, prompts: Sequence[list[int]], settings: SamplingSettings, request_seed: int) -> Generated:
+        """:meth:`generate` now (an async rollout's sampler generates while the trainers go on)."""
+        return generate_now(self, prompts, settings, request_seed)
 
     def _generate(
         self, prompts: Sequence[list[int]], settings: SamplingSettings, request_seed: int
@@ -252,6 +275,9 @@ class HFSampler:
                 )
             )
         return [samples[i * settings.n : (i + 1) * settings.n] for i in range(len(prompts))]
+
+    def submit(self, prompts: Sequence[list[int]], settings: SamplingSettings, request_seed: int) -> Generated:
+        return generate_now(self, prompts, settings, request_seed)
 
     def sync_weights(self, engine: DeepSpeedEngine) -> None:
         """Nothing to do: it samples from the actor itself."""

@@ -20,7 +20,9 @@ The head is processed again after each sync of a tied model.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
+import torch
 from deepspeed import DeepSpeedEngine
 
 from engine.models.hf_weights import hf_weight_buckets, ties_embeddings
@@ -29,17 +31,22 @@ from engine.models.hf_weights import hf_weight_buckets, ties_embeddings
 def push_weights_to_vllm(engine: DeepSpeedEngine, llm) -> None:
     """All ranks call it (the gathers are collectives); each rank updates its own vLLM with
     ``engine``'s model."""
-    vllm_logger = logging.getLogger("vllm")
-    level = vllm_logger.level
-    vllm_logger.setLevel(logging.ERROR)  # a partial reload warns about every layer not in the bucket
     # ZeRO-3: a forward without backward (generate, an experience or held-out forward) can leave
     # parameters it prefetched gathered or in flight; a bucket's gather must start from none (a
     # parameter in flight would reach vLLM empty: bench/real_arch_probe.py, Llama-3 shape).
     engine.empty_partition_cache()
+    load_into_vllm(llm, hf_weight_buckets(engine.module), ties_embeddings(engine.module))
+
+
+def load_into_vllm(llm, buckets: Iterable[list[tuple[str, torch.Tensor]]], tied: bool) -> None:
+    """Reload each bucket of (HF name, full tensor) into ``llm``, then the tied head if ``tied``."""
+    vllm_logger = logging.getLogger("vllm")
+    level = vllm_logger.level
+    vllm_logger.setLevel(logging.ERROR)  # a partial reload warns about every layer not in the bucket
     try:
-        for weights in hf_weight_buckets(engine.module):
+        for weights in buckets:
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        if ties_embeddings(engine.module):
+        if tied:
             llm.collective_rpc(process_tied_head)
         llm.reset_prefix_cache()  # cached prefixes hold keys/values of the old weights
     finally:

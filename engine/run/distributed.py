@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -13,8 +14,34 @@ import torch
 from engine.run.cpu_threads import confine_openmp_to_this_thread
 
 
-def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
-    """Join the launcher's process group; returns ``(rank, world_size)``.
+@dataclass(frozen=True)
+class SplitWorld:
+    """A launched world split in two (PPO's async rollout, engine/rollout/remote.py): the first
+    ``trainers`` ranks train (their process group is torch's default one, so DeepSpeed and every
+    collective see only them), the last ranks generate (their own default group, which vLLM's
+    external launcher adopts). ``store`` (the launcher's rendezvous address) is shared by all."""
+
+    store: Any  # torch.distributed.TCPStore
+    rank: int  # in the launched world
+    world: int
+    trainers: int
+
+    def generates(self) -> bool:
+        return self.rank >= self.trainers
+
+
+_joined: dict[str, SplitWorld] = {}  # "split": this process's, once init_distributed made it
+
+
+def split_world() -> SplitWorld | None:
+    """This process's :class:`SplitWorld`, or None when every rank trains."""
+    return _joined.get("split")
+
+
+def init_distributed(timeout_s: float = 600.0, generation_ranks: int = 0) -> tuple[int, int]:
+    """Join the launcher's process group; returns ``(rank, world_size)``. With ``generation_ranks``
+    the last that many ranks form a group of their own and the others the training group
+    (:class:`SplitWorld`); the rank and size returned are in this process's group.
 
     Works under the ``deepspeed`` launcher, ``torchrun``, or a plain ``python`` (one rank:
     the rendezvous variables are filled in). A finite timeout turns a mismatched collective
@@ -31,12 +58,34 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
         # deepspeed 0.19: the shm all-reduce op is JIT-compiled (~100 s) on first use; gloo alone is fine.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         _share_cpu_cores()
-    deepspeed.init_distributed(
-        dist_backend="nccl" if on_gpu else "gloo", timeout=timedelta(seconds=timeout_s), verbose=False
-    )
+    timeout, backend = timedelta(seconds=timeout_s), "nccl" if on_gpu else "gloo"
+    if generation_ranks:
+        _join_split_world(generation_ranks, backend, timeout)
+    deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)  # adopts a group made first
     if on_gpu:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def _join_split_world(generation_ranks: int, backend: str, timeout: timedelta) -> None:
+    """Make this rank's default process group its side's (trainers or generators) over one store at
+    the launcher's address, and set RANK / WORLD_SIZE to match (DeepSpeed and vLLM read them)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0, timeout=timeout
+    )
+    split = _joined["split"] = SplitWorld(store, rank, world, world - generation_ranks)
+    side, first, size = (
+        ("generators", split.trainers, generation_ranks) if split.generates() else ("trainers", 0, split.trainers)
+    )
+    torch.distributed.init_process_group(
+        backend,
+        store=torch.distributed.PrefixStore(f"{side}/", store),
+        rank=rank - first,
+        world_size=size,
+        timeout=timeout,
+    )
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank - first), str(size)
 
 
 def _share_cpu_cores() -> None:

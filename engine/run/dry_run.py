@@ -28,6 +28,7 @@ from engine.run.memory_budget import (
     parameter_counts,
     print_budget,
     print_models,
+    size,
     trained_memory,
     vllm_bytes,
     vllm_memory,
@@ -162,8 +163,11 @@ def ppo_plan(
     world: int,
     device_gib: float | None = None,
 ) -> int:
-    """The PPO run: prompts, rollout and update batch plan (worst-case lengths), parameters, memory."""
-    print(f"dry run of train_ppo.py ({world} rank(s)); nothing is trained or written")
+    """The PPO run: prompts, rollout and update batch plan (worst-case lengths), parameters, memory. With
+    rollout.mode async the batches and models are the training ranks', the sampler the generating rank's."""
+    trainers = world - cfg.generation_ranks()
+    split = f": {trainers} training, 1 generating (rollout.mode async)" if trainers < world else ""
+    print(f"dry run of train_ppo.py ({world} rank(s){split}); nothing is trained or written")
     lengths = [len(prompt_ids(tokenizer, p.messages)) for p in prompts]
     print(f"prompts:      {length_stats(lengths)}")
     if eval_prompts:
@@ -183,13 +187,13 @@ def ppo_plan(
         )
     budget = cfg.ppo.max_tokens_per_micro_batch
     worst = [
-        n + r.max_new_tokens for n in sorted(lengths)[-per_iteration // world :]
+        n + r.max_new_tokens for n in sorted(lengths)[-per_iteration // trainers :]
     ]  # this rank's longest possible share
-    mini = cfg.ppo.mini_batch_size // world
+    mini = cfg.ppo.mini_batch_size // trainers
     print(
         f"micro-batches (budget {budget} tokens, worst case: longest prompts + max_new_tokens, longest {longest}): "
-        f"{experience_micro_batches(cfg, sorted(lengths)[-r.prompts_per_iteration // world :], budget)} per experience "
-        f"forward, {len(plan_micro_batches(worst[-mini:], budget))} per mini-batch update; "
+        f"{experience_micro_batches(cfg, sorted(lengths)[-r.prompts_per_iteration // trainers :], budget)} per "
+        f"experience forward, {len(plan_micro_batches(worst[-mini:], budget))} per mini-batch update; "
         f"{cfg.ppo.ppo_epochs * per_iteration // cfg.ppo.mini_batch_size} "
         "optimizer steps per iteration per trained model"
     )
@@ -206,28 +210,33 @@ def ppo_plan(
             *([("judge", cfg.judge.reward_model.path, True, None, False)] if cfg.judge.reward_model else []),
         ],
         ds_config,
-        world,
+        trainers,
         cfg.actor,
     )
     if not critic:
         total, largest = parameter_counts(source.path, True, source.components, cfg.actor.trust_remote_code)
         print(
             f"  critic       none: ppo.advantage_estimator {cfg.ppo.advantage_estimator} needs no value model "
-            f"(saves {trained_memory(total, largest, ds_config, world)})"
+            f"(saves {trained_memory(total, largest, ds_config, trainers)})"
         )
     if not reference:
         total, _ = parameter_counts(cfg.actor.path, False, None, cfg.actor.trust_remote_code)
         print(
             f"  reference    none: the actor with its LoRA adapters disabled (no copy: "
-            f"{frozen_memory(total, ds_config, world, cfg.actor.bf16)} saved)"
+            f"{frozen_memory(total, ds_config, trainers, cfg.actor.bf16)} saved)"
         )
     if cfg.reward_model is None:
         print("  reward model none: the score is the rewards section's components")
     if r.sampler == "vllm":
         print(f"  vLLM sampler: {vllm_memory(cfg, world)}")
     sampler = vllm_bytes(cfg, device_gib) if r.sampler == "vllm" else 0.0
-    sleeps = vllm_sleeps(cfg, device_gib)
-    print_budget(states, cfg.actor, cfg.ppo.max_tokens_per_micro_batch, device_gib, sampler, sleeps)
+    if split:
+        print_budget(states, cfg.actor, cfg.ppo.max_tokens_per_micro_batch, device_gib)
+        fits = f" of {device_gib:g} GiB" if device_gib is not None else ""
+        print(f"per generating rank: {size(sampler)}{fits} (vLLM alone)")
+    else:
+        sleeps = vllm_sleeps(cfg, device_gib)
+        print_budget(states, cfg.actor, cfg.ppo.max_tokens_per_micro_batch, device_gib, sampler, sleeps)
     print(f"score: {score_terms(cfg)}")
     print(f"objective: {objective_terms(cfg)}")
     if cfg.judge.active():

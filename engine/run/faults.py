@@ -11,7 +11,9 @@ signatures carries a fault.
   :func:`offset_eval_reward`);
 - ``kill_in_checkpoint_at``: the step whose checkpoint save is cut by SIGKILL after the engine
   states are written and before the directory is renamed into place;
-- ``fail_checkpoint_write_at``: the step whose checkpoint save fails with "No space left on device".
+- ``fail_checkpoint_write_at``: the step whose checkpoint save fails with "No space left on device";
+- ``kill_generating_rank_at``: the generation request (1-based) at which an async rollout's generating
+  rank is killed (SIGKILL) before it answers (:func:`kill_generating_rank`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -65,3 +68,9 @@ def kill_in_checkpoint_at(step: int) -> bool:
 
 def fail_checkpoint_write_at(step: int) -> bool:
     return _faults().get("fail_checkpoint_write_at") == step
+
+
+def kill_generating_rank(generation: int) -> None:
+    """SIGKILL this process at its ``kill_generating_rank_at``-th generation request."""
+    if generation == _faults().get("kill_generating_rank_at"):
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -72,11 +72,10 @@ def start_run(config_cls: type[T], description: str) -> tuple[T, RunArgs, int, i
         cfg = load_config(config_cls, args.config, overrides)
     except ConfigError as e:
         raise RunRefused("config", str(e)) from None
-    if args.dry_run:  # no process group: nothing collective happens
-        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    else:
-        rank, world = init_distributed()
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     cfg.check_world_size(world)  # type: ignore[attr-defined]  # rules on the number of ranks (engine/config.py)
+    if not args.dry_run:  # a dry run makes no process group: nothing collective happens
+        rank, world = init_distributed(generation_ranks=cfg.generation_ranks())  # type: ignore[attr-defined]
     seed = cfg.train.seed  # type: ignore[attr-defined]
     random.seed(seed)
     np.random.seed(seed)

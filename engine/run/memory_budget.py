@@ -212,5 +212,11 @@ def vllm_memory(cfg, world: int) -> str:
         if not torch.cuda.is_available()
         else f"KV cache in {r.vllm_gpu_memory_utilization:.0%} of the GPU"
     )
-    layout = f"{world // tp} engine(s) of tensor parallel size {tp}" if tp > 1 else f"{world} engine(s), one per rank"
+    layout = (
+        "1 engine on the generating rank, none on the training ranks"
+        if r.mode == "async"
+        else f"{world // tp} engine(s) of tensor parallel size {tp}"
+        if tp > 1
+        else f"{world} engine(s), one per rank"
+    )
     return f"{layout}: {weights} weights per rank + {cache}"

@@ -73,8 +73,24 @@ class RolloutSection(Config):
         "(groups of consecutive ranks; must divide the world size)",
         ge=1,
     )
+    mode: Literal["colocated", "async"] = option(
+        "colocated",
+        "colocated: every rank generates, then every rank trains; async: the last rank only generates (one vLLM "
+        "engine) while the others only train, each batch generated up to max_staleness policy versions ahead",
+    )
+    max_staleness: int = option(
+        1,
+        "with mode async: the batch of iteration t is generated with the weights after iteration t - max_staleness "
+        "(0: after the last update, no overlap)",
+        ge=0,
+    )
 
     def check(self) -> None:
+        if self.mode == "async" and (self.sampler != "vllm" or self.tensor_parallel_size > 1 or self.dynamic_sampling):
+            raise ConfigError(
+                "'mode' async runs one vLLM engine on one rank of its own: it needs sampler vllm, "
+                "tensor_parallel_size 1 and no dynamic_sampling"
+            )
         if self.tensor_parallel_size > 1 and self.sampler != "vllm":
             raise ConfigError(
                 f"'tensor_parallel_size' {self.tensor_parallel_size} needs sampler vllm "
@@ -272,6 +288,11 @@ class PPOConfig(Config):
                 "ppo.tis_cap corrects the gap between the sampler's and the actor's log-probs; with "
                 "ppo.old_logprobs_from sampler the old log-probs are the sampler's and every weight is 1: drop one"
             )
+        if self.ppo.old_logprobs_from == "sampler" and self.rollout.mode == "async" and self.rollout.max_staleness:
+            raise ConfigError(
+                "ppo.old_logprobs_from sampler takes the behaviour policy's log-probs as PPO's; with rollout.mode "
+                "async the sampler is up to rollout.max_staleness updates behind: set actor (ppo.tis_cap corrects)"
+            )
         if self.ppo.old_logprobs_from == "sampler" and self.actor.bf16:
             raise ConfigError(
                 "ppo.old_logprobs_from sampler needs fp32 weights (actor.bf16 false): in bf16 the sampler's and the "
@@ -291,8 +312,14 @@ class PPOConfig(Config):
             return CriticSource(self.reward_model.path, None)
         return CriticSource(self.actor.path, ["value"])
 
+    def generation_ranks(self) -> int:
+        return 1 if self.rollout.mode == "async" else 0
+
     def check_world_size(self, world: int) -> None:
-        """The batch shapes against the number of ranks."""
+        """The batch shapes against the number of ranks (the training ranks', with rollout.mode async)."""
+        if world <= self.generation_ranks():
+            raise ConfigError(f"{self._source}: config: rollout.mode async needs 2 ranks or more (one generates)")
+        world -= self.generation_ranks()
         tp, prompts = self.rollout.tensor_parallel_size, self.rollout.prompts_per_iteration
         for broken, message in (
             (world % tp, f"rollout.tensor_parallel_size ({tp}) must divide the {world} ranks"),

@@ -1,0 +1,203 @@
+"""The async rollout's channel (``rollout.mode async``): trainer ranks ask, the generating rank answers.
+
+The launched world is split (engine/run/distributed.SplitWorld): the trainers train, the last rank
+runs vLLM (engine/rollout/generation_rank.py). Each trainer rank writes numbered requests into its
+own queue in the launcher's store (``req/<trainer>/<n>``): generate these prompts with this seed,
+load new weights, stop. The generating rank takes request n of every queue, then n + 1, and
+answers each in ``resp/<trainer>/<n>``. Requests run in the order they were made, so which weights
+generate which batch is fixed by the trainers' program, not by timing: a batch asked for before
+the sync of version v is generated with the weights before v.
+
+Weights travel over a gloo group of trainer rank 0 and the generating rank, one bucket (a decoder
+layer) per broadcast of its bytes, described in the store (names, dtypes, shapes, a CRC-32 of each
+tensor). The generating rank checks every tensor's CRC before vLLM loads it; a mismatch answers
+the request with an error naming the tensor, and the trainers stop (:class:`WeightSyncFailed`).
+"""
+
+from __future__ import annotations
+
+import pickle
+import zlib
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.models.hf_weights import hf_weight_buckets, ties_embeddings
+from engine.rollout.sampler import Sample, SamplingSettings
+from engine.run.distributed import SplitWorld
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
+
+    from deepspeed import DeepSpeedEngine
+
+POLL = timedelta(seconds=60)  # a wait on the store is renewed until the key appears (a dead peer ends the launch)
+
+
+class WeightSyncFailed(RuntimeError):
+    """The generating rank did not load what the trainers sent."""
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str  # HF parameter name
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    crc32: int  # of the tensor's bytes as sent
+
+
+class RolloutLink:
+    """Messages through the store and weights through a gloo broadcast; one per process."""
+
+    def __init__(self, split: SplitWorld, timeout: timedelta = timedelta(minutes=30)):
+        """Trainer rank 0 and the generating rank meet here (each once its models are built)."""
+        self.store, self.trainers = split.store, split.trainers
+        self.weights_group = None
+        if split.rank in (0, split.trainers):  # trainer rank 0 sends, the generating rank receives
+            prefix = torch.distributed.PrefixStore("weights/", split.store)
+            self.weights_group = torch.distributed.ProcessGroupGloo(prefix, int(split.rank != 0), 2, timeout)
+
+    def put(self, key: str, message: Any) -> None:
+        self.store.set(key, pickle.dumps(message))
+
+    def take(self, key: str) -> Any:
+        """The message at ``key`` (waiting for it), removed from the store."""
+        while True:
+            try:
+                self.store.wait([key], POLL)
+                break
+            except torch.distributed.DistStoreError:  # not there yet
+                continue
+        message = pickle.loads(self.store.get(key))
+        self.store.delete_key(key)
+        return message
+
+    def broadcast(self, flat: torch.Tensor) -> None:
+        """Trainer rank 0's ``flat`` (uint8) into the generating rank's."""
+        options = torch.distributed.BroadcastOptions()
+        options.rootRank = 0
+        assert self.weights_group is not None
+        self.weights_group.broadcast([flat], options).wait()  # type: ignore[attr-defined]  # (missing in the stubs)
+
+    def send_weights(self, load: int, buckets: Iterator[list[tuple[str, torch.Tensor]]], sender: bool) -> None:
+        """Every trainer iterates ``buckets`` (ZeRO-3 gathers); the sender describes and broadcasts each."""
+        count = 0
+        for bucket in buckets:
+            if sender:
+                tensors = [(name, t.detach().cpu().contiguous()) for name, t in bucket]
+                self.put(f"weights/{load}/{count}", [meta(name, t) for name, t in tensors])
+                self.broadcast(torch.cat([as_bytes(t) for _, t in tensors]))
+            count += 1
+        if sender:
+            self.put(f"weights/{load}/{count}", None)
+
+    def receive_weights(self, load: int, failures: list[str]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The buckets of weight load ``load``, each checked (:func:`unpack`): after a failure (appended to
+        ``failures``) the rest are received and dropped, so the sender finishes."""
+        count = 0
+        while (metas := self.take(f"weights/{load}/{count}")) is not None:
+            flat = torch.empty(sum(m.dtype.itemsize * _numel(m.shape) for m in metas), dtype=torch.uint8)
+            self.broadcast(flat)
+            count += 1
+            if failures:
+                continue
+            try:
+                bucket = unpack(flat, metas)
+            except WeightSyncFailed as e:
+                failures.append(f"weight load {load}, bucket {count - 1}: {e}")
+                continue
+            yield bucket
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def meta(name: str, t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(name, t.dtype, tuple(t.shape), zlib.crc32(as_bytes(t).numpy().data))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def unpack(flat: torch.Tensor, metas: list[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
+    """``flat``'s bytes as the tensors ``metas`` describe; :class:`WeightSyncFailed` naming the first
+    tensor whose bytes differ from what was sent."""
+    out, offset = [], 0
+    for m in metas:
+        size = m.dtype.itemsize * _numel(m.shape)
+        raw = flat[offset : offset + size]
+        if zlib.crc32(raw.numpy().data) != m.crc32:
+            raise WeightSyncFailed(f"{m.name} {list(m.shape)}: the bytes received differ from those sent (CRC-32)")
+        out.append((m.name, raw.view(m.dtype).reshape(m.shape)))
+        offset += size
+    return out
+
+
+class RemoteGeneration:
+    """A generation request made; :meth:`result` waits for its samples."""
+
+    def __init__(self, sampler: RemoteSampler, number: int):
+        self.sampler, self.number = sampler, number
+
+    def result(self) -> tuple[list[list[Sample]], float]:
+        """(samples per prompt, seconds the generating rank spent on them)."""
+        answer = self.sampler.answer(self.number)
+        return answer["samples"], answer["generate_s"]
+
+
+class RemoteSampler:
+    """The sampler interface of engine/rollout/sampler.py on a trainer rank, served by the generating rank."""
+
+    def __init__(self, link: RolloutLink, trainer_rank: int):
+        self.link, self.rank = link, trainer_rank
+        self.sent = 0  # requests made
+        self.answered = 0  # answers read
+        self.unclaimed: dict[int, dict[str, Any]] = {}  # generations read while waiting for a later answer
+        self.loads = 0  # weight loads requested: the version a generation request is made at
+
+    def _request(self, message: dict[str, Any]) -> int:
+        self.link.put(f"req/{self.rank}/{self.sent}", message)
+        self.sent += 1
+        return self.sent - 1
+
+    def answer(self, number: int) -> dict[str, Any]:
+        """The answer to request ``number``, reading (and checking) those before it."""
+        while self.answered <= number:
+            reply = self.link.take(f"resp/{self.rank}/{self.answered}")
+            if reply.get("error"):
+                raise WeightSyncFailed(reply["error"])
+            if reply["kind"] != "weights" or self.answered == number:
+                self.unclaimed[self.answered] = reply
+            self.answered += 1
+        return self.unclaimed.pop(number)
+
+    def submit(self, prompts: Sequence[list[int]], settings: SamplingSettings, request_seed: int) -> RemoteGeneration:
+        """Ask for ``settings.n`` samples per prompt, generated with the weights of the last sync."""
+        request = {"prompts": list(prompts), "settings": settings, "seed": request_seed, "load": self.loads}
+        number = self._request({"kind": "generate"} | request)
+        return RemoteGeneration(self, number)
+
+    def generate(self, prompts: Sequence[list[int]], settings: SamplingSettings, request_seed: int):
+        return self.submit(prompts, settings, request_seed).result()[0]
+
+    def sync_weights(self, engine: DeepSpeedEngine) -> None:
+        """Send ``engine``'s model (every trainer rank calls it: ZeRO-3 gathers); vLLM loads it after the
+        requests made before. Its check is read with the next answer."""
+        engine.empty_partition_cache()  # see engine/rollout/weight_sync.push_weights_to_vllm
+        self.loads += 1
+        self._request({"kind": "weights", "load": self.loads, "tied": ties_embeddings(engine.module)})
+        self.link.send_weights(self.loads, hf_weight_buckets(engine.module), sender=self.rank == 0)
+
+    def sleep(self) -> None:
+        """Nothing to free on a trainer rank."""
+
+    def close(self) -> None:
+        """Stop the generating rank once it has answered everything asked (it then exits)."""
+        self.answer(self._request({"kind": "stop"}))

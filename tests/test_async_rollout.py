@@ -1,0 +1,124 @@
+"""rollout.mode async end to end: one training rank and one generating rank under the launcher."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import assert_repeats, faults, launch, metric_series, read_events, write_ppo_config
+from pydantic import ValidationError
+
+from engine.config import ConfigError, load_config
+from engine.models.deepspeed_glue import training_ds_config
+from engine.ppo.inputs import load_fitting_prompts
+from engine.rollout.remote import WeightSyncFailed, as_bytes, meta, unpack
+from engine.run.dry_run import ppo_plan
+from engine.run.preflight import load_tokenizer
+from engine.run_config import PPOConfig
+from engine.run_config.ppo import RolloutSection
+
+DETERMINISTIC = ("ppo/score", "ppo/kl", "ppo/pg_loss", "ppo/vf_loss", "ppo/response_length", "eval/reward")
+ITERATIONS = 3
+
+
+def async_config(root, tiny_model_dir, rm_run, rm_data, name: str, **overrides):
+    return write_ppo_config(
+        root / f"{name}.json",
+        tiny_model_dir,
+        rm_run[0] / "run" / "model",
+        rm_data,
+        root / name,
+        train__iterations=ITERATIONS,
+        train__eval_every=ITERATIONS,
+        **overrides,
+    )
+
+
+@pytest.fixture(scope="module")
+def stale_run(tiny_model_dir, rm_run, rm_data, tmp_path_factory):
+    """Iteration t's batch generated with the weights after t - 1 (max_staleness 1), truncated
+    importance weights, a checkpoint every iteration."""
+    root = tmp_path_factory.mktemp("ppo_async")
+    stale = {"rollout__mode": "async", "rollout__max_staleness": 1, "ppo__tis_cap": 2.0, "checkpoint__every_steps": 1}
+    config = async_config(root, tiny_model_dir, rm_run, rm_data, "run", **stale)
+    return root, config, launch("train_ppo.py", config, ranks=2)
+
+
+def test_one_version_behind_trains_evaluates_and_exports(stale_run):
+    root, _, result = stale_run
+    run = root / "run"
+    assert "sampler vllm on a rank of its own (async, max_staleness 1)" in result.stdout
+    assert metric_series(run, "ppo/staleness") == {1: 0, 2: 1, 3: 1}  # the first batch: the starting weights
+    gap = metric_series(run, "ppo/sampler_logprob_gap")
+    assert gap[1] < 1e-5 < gap[2]  # the sampler is the actor before the first update, one update behind after
+    assert all(0 <= v < 1 for v in metric_series(run, "ppo/tis_truncated").values())
+    assert all(v > 0 for v in metric_series(run, "timing/rollout_wait_s").values())
+    assert set(metric_series(run, "eval/reward")) == {0, ITERATIONS}
+    assert not read_events(run)
+    assert (run / "actor" / "model.safetensors").exists()
+    state = torch.load(run / "checkpoints" / "step00000002" / "trainer_state_rank0.pt", weights_only=False)
+    asked = state["rollout"]["asked"]  # the batch generated ahead, kept for a resume
+    assert [(a["draw"], a["asked_at"]) for a in asked] == [(2, 1)]
+
+
+def test_a_resume_after_the_generating_rank_is_killed_repeats_the_run(stale_run, tmp_path):
+    """SIGKILL of the generating rank at its 7th generation (3 held-out ones, then the batches of
+    iterations 1 and 2, then 3 asked at iteration 2): the launcher stops the trainer; --resume
+    continues from the last checkpoint with the batch it carried, and every metric repeats."""
+    root, config, _ = stale_run
+    spec = json.loads(config.read_text())
+    spec["logging"]["output_dir"] = str(tmp_path / "run")
+    (tmp_path / "run.json").write_text(json.dumps(spec))
+    killed = launch("train_ppo.py", tmp_path / "run.json", ranks=2, env=faults(kill_generating_rank_at=7), check=False)
+    assert killed.returncode != 0
+    assert not (tmp_path / "run" / "actor").exists()
+    resumed = launch("train_ppo.py", tmp_path / "run.json", "--resume", ranks=2)
+    assert "resumed at iteration" in resumed.stdout
+    for key in DETERMINISTIC:
+        assert_repeats(metric_series(tmp_path / "run", key), metric_series(root / "run", key), what=key)
+
+
+def test_no_staleness_repeats_the_colocated_run_bit_for_bit(tiny_model_dir, rm_run, rm_data, tmp_path):
+    """max_staleness 0 on 1 + 1 ranks makes the requests a colocated run makes, in its order, with its
+    seeds: every metric equals the colocated one-rank run's exactly (one thread each)."""
+    colocated = async_config(tmp_path, tiny_model_dir, rm_run, rm_data, "colocated")
+    launch("train_ppo.py", colocated, env={"OMP_NUM_THREADS": "1"})
+    fresh = async_config(
+        tmp_path, tiny_model_dir, rm_run, rm_data, "async", rollout__mode="async", rollout__max_staleness=0
+    )
+    launch("train_ppo.py", fresh, ranks=2)
+    for key in (*DETERMINISTIC, "ppo/sampler_logprob_gap"):
+        assert metric_series(tmp_path / "async", key) == metric_series(tmp_path / "colocated", key), key
+
+
+def test_the_plan_and_the_rules_of_the_split(stale_run, capsys):
+    _, config, _ = stale_run
+    cfg = load_config(PPOConfig, str(config))
+    tokenizer = load_tokenizer(cfg.actor.path, "actor.path")
+    prompts = load_fitting_prompts(cfg.data.prompts, tokenizer, cfg, 0)
+    assert ppo_plan(cfg, prompts, [], tokenizer, training_ds_config(cfg.deepspeed, False), 2) == 0
+    plan = capsys.readouterr().out
+    assert "(2 rank(s): 1 training, 1 generating (rollout.mode async))" in plan
+    assert "actor                541,568 parameters (trained): ZeRO-3, 1 rank(s)" in plan
+    assert "vLLM sampler: 1 engine on the generating rank, none on the training ranks" in plan
+    assert "per generating rank: " in plan
+    with pytest.raises(ConfigError, match="needs 2 ranks or more"):
+        cfg.check_world_size(1)
+    for bad, match in (
+        ({"dynamic_sampling": True}, "no dynamic_sampling"),
+        ({"sampler": "hf"}, "needs sampler vllm"),
+    ):
+        with pytest.raises(ValidationError, match=match):
+            RolloutSection(mode="async", **bad)
+
+
+def test_a_corrupted_weight_transfer_is_named_before_vllm_loads_it():
+    weights = [("model.layers.0.mlp.up_proj.weight", torch.randn(6, 4)), ("model.norm.weight", torch.ones(4))]
+    metas = [meta(name, t) for name, t in weights]
+    flat = torch.cat([as_bytes(t) for _, t in weights])
+    for (name, t), (got_name, got) in zip(weights, unpack(flat.clone(), metas)):
+        assert got_name == name and torch.equal(got, t)
+    flat[10] ^= 1  # one bit in the first tensor
+    with pytest.raises(WeightSyncFailed, match=r"model.layers.0.mlp.up_proj.weight \[6, 4\]"):
+        unpack(flat, metas)
