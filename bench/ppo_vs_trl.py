@@ -143,6 +143,8 @@ def prepare_ppo_run(
         str(iterations),
         "--train.eval_every",
         "0",
+        "--guards.rollback_drop",
+        "null",
         "--checkpoint.every_steps",
         "0",
         "--logging.wandb",
