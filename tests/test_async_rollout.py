@@ -38,9 +38,15 @@ def async_config(root, tiny_model_dir, rm_run, rm_data, name: str, **overrides):
 @pytest.fixture(scope="module")
 def stale_run(tiny_model_dir, rm_run, rm_data, tmp_path_factory):
     """Iteration t's batch generated with the weights after t - 1 (max_staleness 1), truncated
-    importance weights, a checkpoint every iteration."""
+    importance weights, a sync check and a checkpoint every iteration."""
     root = tmp_path_factory.mktemp("ppo_async")
-    stale = {"rollout__mode": "async", "rollout__max_staleness": 1, "ppo__tis_cap": 2.0, "checkpoint__every_steps": 1}
+    stale = {
+        "rollout__mode": "async",
+        "rollout__max_staleness": 1,
+        "ppo__tis_cap": 2.0,
+        "checkpoint__every_steps": 1,
+        "rollout__sync_check_every": 1,
+    }
     config = async_config(root, tiny_model_dir, rm_run, rm_data, "run", **stale)
     return root, config, launch("train_ppo.py", config, ranks=2)
 
@@ -53,6 +59,8 @@ def test_one_version_behind_trains_evaluates_and_exports(stale_run):
     gap = metric_series(run, "ppo/sampler_logprob_gap")
     assert gap[1] < 1e-5 < gap[2]  # the sampler is the actor before the first update, one update behind after
     assert all(0 <= v < 1 for v in metric_series(run, "ppo/tis_truncated").values())
+    checked = metric_series(run, "ppo/sync_check_gap")  # vLLM re-scored iteration t's sequences, compared at t + 1
+    assert list(checked) == [2, 3] and all(v < 1e-5 for v in checked.values()), checked
     assert all(v > 0 for v in metric_series(run, "timing/rollout_wait_s").values())
     assert set(metric_series(run, "eval/reward")) == {0, ITERATIONS}
     assert not read_events(run)

@@ -35,13 +35,15 @@ from engine.ppo.settings import ExperienceSettings, UpdateSettings
 from engine.ppo.update import update_on_rollout
 from engine.rewards.components import RewardsUnavailable
 from engine.rollout.generation_rank import serve
-from engine.rollout.remote import WeightSyncFailed
+from engine.rollout.remote import RemoteSampler, WeightSyncFailed
 from engine.run.distributed import accelerator_memory_metrics, mean_over_ranks, split_world
 from engine.run.dry_run import ppo_plan
 from engine.run.guards import KLGuard, NonFiniteGuard, RollbackGuard
 from engine.run.launch import run_main, start_run
 from engine.run.lifecycle import RunEnded, RunLifecycle
 from engine.run_config import PPOConfig
+
+SYNC_CHECK_SEQUENCES = 2  # per training rank, re-scored by an async rollout's vLLM (rollout.sync_check_every)
 
 
 def ppo_iteration(
@@ -68,6 +70,12 @@ def ppo_iteration(
     exp, rollout_stats = make_experience(
         rollout, engines, pad_token_id, experience, kl_coef=kl_coef, old_logprobs_from_sampler=old_from_sampler
     )
+    if isinstance(sampler, RemoteSampler) and iteration % sampler.check_every == 0:
+        k = min(SYNC_CHECK_SEQUENCES, len(exp.sequences))
+        lengths = [len(s) - n for s, n in zip(exp.sequences[:k], exp.prompt_lens[:k])]
+        sampler.ask_sync_check(
+            exp.sequences[:k], exp.prompt_lens[:k], [exp.old_logprobs[i, : lengths[i]] for i in range(k)]
+        )
     t2 = time.perf_counter()
     train_stats = update_on_rollout(
         engines.actor, engines.critic, exp, update, iteration=iteration, train_actor=train_actor, after_step=after_step
@@ -76,6 +84,8 @@ def ppo_iteration(
     if train_actor:
         sampler.sync_weights(engines.actor)
     t4 = time.perf_counter()
+    if isinstance(sampler, RemoteSampler) and sampler.checked_gap is not None:  # compared in this collect
+        rollout_stats["sync_check_gap"], sampler.checked_gap = sampler.checked_gap, None
     rollout_stats = mean_over_ranks(rollout_stats)
     rollout_stats["kl_per_token"] = rollout_stats["kl"] / max(rollout_stats["response_length"], 1.0)
     generate_s, wait_s, score_s, tokens = (

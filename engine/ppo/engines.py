@@ -111,7 +111,7 @@ def build_sampler(cfg: PPOConfig, actor_engine, tokenizer, rank: int):
     """vLLM in this process (after the engines: its external_launcher reuses their group), HF generate, or
     (rollout.mode async, on a training rank) requests to the generating rank."""
     if cfg.rollout.mode == "async" and (split := split_world()) and not split.generates():
-        return RemoteSampler(RolloutLink(split), rank)
+        return RemoteSampler(RolloutLink(split), rank, cfg.rollout.sync_check_every, cfg.rollout.sync_check_tolerance)
     if cfg.rollout.sampler == "hf":
         return HFSampler(actor_engine, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     tp = cfg.rollout.tensor_parallel_size  # the ranks of a TP group run one engine: the same seed

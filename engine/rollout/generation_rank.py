@@ -47,6 +47,11 @@ def serve(sampler: VLLMSampler, split: SplitWorld) -> int:
                 answer = {"kind": kind, "samples": samples, "generate_s": time.perf_counter() - t0}
                 link.put(f"resp/{trainer}/{number}", answer)
             continue
+        if kind == "logprobs":
+            for trainer, request in enumerate(requests):
+                scored = sampler.response_logprobs(request["sequences"], request["prompt_lens"])
+                link.put(f"resp/{trainer}/{number}", {"kind": kind, "logprobs": scored})
+            continue
         error = None
         if kind == "weights":
             loads += 1

@@ -26,7 +26,7 @@ import torch
 
 from engine.models.hf_weights import hf_weight_buckets, ties_embeddings
 from engine.rollout.sampler import Sample, SamplingSettings
-from engine.run.distributed import SplitWorld
+from engine.run.distributed import SplitWorld, all_reduce
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
@@ -145,18 +145,30 @@ class RemoteGeneration:
 
     def __init__(self, sampler: RemoteSampler, number: int):
         self.sampler, self.number = sampler, number
+        self.answer: dict[str, Any] | None = None
 
     def result(self) -> tuple[list[list[Sample]], float]:
-        """(samples per prompt, seconds the generating rank spent on them)."""
-        answer = self.sampler.answer(self.number)
-        return answer["samples"], answer["generate_s"]
+        """(samples per prompt, seconds the generating rank spent on them), after comparing a sync check
+        asked since (answered right after these; :class:`WeightSyncFailed` leaves the samples readable)."""
+        if self.answer is None:
+            self.answer = self.sampler.answer(self.number)
+            self.sampler.compare_sync_check()
+        return self.answer["samples"], self.answer["generate_s"]
 
 
 class RemoteSampler:
-    """The sampler interface of engine/rollout/sampler.py on a trainer rank, served by the generating rank."""
+    """The sampler interface of engine/rollout/sampler.py on a trainer rank, served by the generating rank.
 
-    def __init__(self, link: RolloutLink, trainer_rank: int):
+    Every ``check_every`` iterations :meth:`ask_sync_check` has vLLM re-score a few sequences the actor
+    has just scored, with the weights it holds (the actor's at that point: the requests' order); the gap is
+    compared when the next samples are read (a step boundary) and above ``tolerance`` raises
+    :class:`WeightSyncFailed`: a sync whose bytes arrived whole but that vLLM did not load as sent."""
+
+    def __init__(self, link: RolloutLink, trainer_rank: int, check_every: int, tolerance: float):
         self.link, self.rank = link, trainer_rank
+        self.check_every, self.tolerance = check_every, tolerance
+        self.check: tuple[int, list[torch.Tensor]] | None = None  # (request, the actor's log-probs) to compare
+        self.checked_gap: float | None = None  # the last check's gap, until read
         self.sent = 0  # requests made
         self.answered = 0  # answers read
         self.unclaimed: dict[int, dict[str, Any]] = {}  # generations read while waiting for a later answer
@@ -177,6 +189,31 @@ class RemoteSampler:
                 self.unclaimed[self.answered] = reply
             self.answered += 1
         return self.unclaimed.pop(number)
+
+    def ask_sync_check(
+        self, sequences: Sequence[list[int]], prompt_lens: Sequence[int], actor_logprobs: list[torch.Tensor]
+    ) -> None:
+        """Ask vLLM for the response log-probs of ``sequences``, which the actor gave as ``actor_logprobs``
+        ((R_i,) each) with the weights of the last sync."""
+        request = {"sequences": list(sequences), "prompt_lens": list(prompt_lens), "load": self.loads}
+        self.check = (self._request({"kind": "logprobs"} | request), actor_logprobs)
+
+    def compare_sync_check(self) -> None:
+        """The mean per-token gap of the check asked, agreed over the training ranks (a collective)."""
+        if self.check is None:
+            return
+        number, actor = self.check
+        self.check = None
+        scored = self.answer(number)["logprobs"]
+        gaps = torch.cat([(torch.tensor(v) - a.float()).abs() for v, a in zip(scored, actor)])
+        gap = all_reduce(torch.tensor([gaps.mean().item()]), op=torch.distributed.ReduceOp.MAX).item()
+        self.checked_gap = gap
+        if gap > self.tolerance:
+            raise WeightSyncFailed(
+                f"vLLM's log-probs of sequences the actor scored differ from the actor's "
+                f"by {gap:.3g} per token (rollout.sync_check_tolerance {self.tolerance}): the weights arrived whole "
+                "but vLLM does not compute the actor's model"
+            )
 
     def submit(self, prompts: Sequence[list[int]], settings: SamplingSettings, request_seed: int) -> RemoteGeneration:
         """Ask for ``settings.n`` samples per prompt, generated with the weights of the last sync."""

@@ -199,6 +199,18 @@ class VLLMSampler:
             for prompt, out in zip(prompts, outputs)
         ]
 
+    def response_logprobs(self, sequences: Sequence[list[int]], prompt_lens: Sequence[int]) -> list[list[float]]:
+        """Each sequence's response-token log-probs under the weights vLLM holds (its prompt log-probs)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, flat_logprobs=True, detokenize=False)
+        outputs = self.llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+        # prompt_logprobs cover positions 1..n-1: the response starts at entry prompt_len - 1
+        return [
+            sampled_logprobs(out.prompt_logprobs, seq[1:])[n - 1 :]
+            for seq, n, out in zip(sequences, prompt_lens, outputs)
+        ]
+
     def sync_weights(self, engine: DeepSpeedEngine) -> None:
         """Load ``engine``'s model (the actor, or the reference for a held-out comparison) into vLLM."""
         from engine.rollout.weight_sync import push_weights_to_vllm
