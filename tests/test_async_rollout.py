@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 
 import pytest
 import torch
-from helpers import assert_repeats, faults, launch, metric_series, read_events, write_ppo_config
+from helpers import assert_repeats, faults, free_port, launch, metric_series, read_events, write_ppo_config
 from pydantic import ValidationError
 
 from engine.config import ConfigError, load_config
 from engine.models.deepspeed_glue import training_ds_config
 from engine.ppo.inputs import load_fitting_prompts
-from engine.rollout.remote import WeightSyncFailed, as_bytes, meta, unpack
+from engine.rollout.remote import (
+    RemoteGeneration,
+    RemoteSampler,
+    RolloutLink,
+    WeightSyncFailed,
+    as_bytes,
+    meta,
+    unpack,
+)
+from engine.rollout.sampler import Sample
+from engine.run.distributed import SplitWorld
 from engine.run.dry_run import ppo_plan
 from engine.run.preflight import load_tokenizer
 from engine.run_config import PPOConfig
@@ -130,3 +141,19 @@ def test_a_corrupted_weight_transfer_is_named_before_vllm_loads_it():
     flat[10] ^= 1  # one bit in the first tensor
     with pytest.raises(WeightSyncFailed, match=r"model.layers.0.mlp.up_proj.weight \[6, 4\]"):
         unpack(flat, metas)
+
+
+def test_a_failed_load_is_raised_once_and_the_answers_behind_it_stay_readable():
+    """The trainer's side of the channel on a real store (loopback): the generating rank's answers to a
+    weight load that failed its CRC check and to the generation after it."""
+    store = torch.distributed.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=30))
+    link = RolloutLink(SplitWorld(store, rank=1, world=3, trainers=2))  # a training rank that sends no weights
+    sampler = RemoteSampler(link, trainer_rank=1, check_every=1, tolerance=0.01)
+    sampler.sent = 2
+    samples = [[Sample([1, 2], [3], [-0.5], True)]]
+    link.put("resp/1/0", {"kind": "weights", "error": "weight load 1, bucket 0: model.norm.weight [4]: ..."})
+    link.put("resp/1/1", {"kind": "generate", "samples": samples, "generate_s": 0.1})
+    generation = RemoteGeneration(sampler, 1)
+    with pytest.raises(WeightSyncFailed, match=r"model\.norm\.weight"):
+        generation.result()
+    assert generation.result() == (samples, 0.1)  # the checkpoint after the failure still reads it

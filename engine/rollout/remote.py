@@ -182,12 +182,13 @@ class RemoteSampler:
     def answer(self, number: int) -> dict[str, Any]:
         """The answer to request ``number``, reading (and checking) those before it."""
         while self.answered <= number:
-            reply = self.link.take(f"resp/{self.rank}/{self.answered}")
+            read = self.answered
+            reply = self.link.take(f"resp/{self.rank}/{read}")
+            self.answered += 1  # read once: after a failed load the answers behind it stay readable
             if reply.get("error"):
                 raise WeightSyncFailed(reply["error"])
-            if reply["kind"] != "weights" or self.answered == number:
-                self.unclaimed[self.answered] = reply
-            self.answered += 1
+            if reply["kind"] != "weights" or read == number:
+                self.unclaimed[read] = reply
         return self.unclaimed.pop(number)
 
     def ask_sync_check(
