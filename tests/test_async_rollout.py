@@ -98,19 +98,6 @@ def test_a_resume_after_the_generating_rank_is_killed_repeats_the_run(stale_run,
         assert_repeats(metric_series(tmp_path / "run", key), metric_series(root / "run", key), what=key)
 
 
-def test_no_staleness_repeats_the_colocated_run_bit_for_bit(tiny_model_dir, rm_run, rm_data, tmp_path):
-    """max_staleness 0 on 1 + 1 ranks makes the requests a colocated run makes, in its order, with its
-    seeds: every metric equals the colocated one-rank run's exactly (one thread each)."""
-    colocated = async_config(tmp_path, tiny_model_dir, rm_run, rm_data, "colocated")
-    launch("train_ppo.py", colocated, env={"OMP_NUM_THREADS": "1"})
-    fresh = async_config(
-        tmp_path, tiny_model_dir, rm_run, rm_data, "async", rollout__mode="async", rollout__max_staleness=0
-    )
-    launch("train_ppo.py", fresh, ranks=2)
-    for key in (*DETERMINISTIC, "ppo/sampler_logprob_gap"):
-        assert metric_series(tmp_path / "async", key) == metric_series(tmp_path / "colocated", key), key
-
-
 def test_the_plan_and_the_rules_of_the_split(stale_run, capsys):
     _, config, _ = stale_run
     cfg = load_config(PPOConfig, str(config))

@@ -16,6 +16,7 @@ the request with an error naming the tensor, and the trainers stop (:class:`Weig
 
 from __future__ import annotations
 
+import math
 import pickle
 import zlib
 from dataclasses import dataclass
@@ -98,7 +99,7 @@ class RolloutLink:
         ``failures``) the rest are received and dropped, so the sender finishes."""
         count = 0
         while (metas := self.take(f"weights/{load}/{count}")) is not None:
-            flat = torch.empty(sum(m.dtype.itemsize * _numel(m.shape) for m in metas), dtype=torch.uint8)
+            flat = torch.empty(sum(m.dtype.itemsize * math.prod(m.shape) for m in metas), dtype=torch.uint8)
             self.broadcast(flat)
             count += 1
             if failures:
@@ -119,19 +120,12 @@ def meta(name: str, t: torch.Tensor) -> TensorMeta:
     return TensorMeta(name, t.dtype, tuple(t.shape), zlib.crc32(as_bytes(t).numpy().data))
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def unpack(flat: torch.Tensor, metas: list[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
     """``flat``'s bytes as the tensors ``metas`` describe; :class:`WeightSyncFailed` naming the first
     tensor whose bytes differ from what was sent."""
     out, offset = [], 0
     for m in metas:
-        size = m.dtype.itemsize * _numel(m.shape)
+        size = m.dtype.itemsize * math.prod(m.shape)
         raw = flat[offset : offset + size]
         if zlib.crc32(raw.numpy().data) != m.crc32:
             raise WeightSyncFailed(f"{m.name} {list(m.shape)}: the bytes received differ from those sent (CRC-32)")
@@ -196,7 +190,7 @@ class RemoteSampler:
     ) -> None:
         """Ask vLLM for the response log-probs of ``sequences``, which the actor gave as ``actor_logprobs``
         ((R_i,) each) with the weights of the last sync."""
-        request = {"sequences": list(sequences), "prompt_lens": list(prompt_lens), "load": self.loads}
+        request = {"sequences": list(sequences), "prompt_lens": list(prompt_lens)}
         self.check = (self._request({"kind": "logprobs"} | request), actor_logprobs)
 
     def compare_sync_check(self) -> None:
