@@ -1,4 +1,5 @@
-"""rollout.mode async end to end: one training rank and one generating rank under the launcher."""
+"""rollout.mode async end to end: one training rank and two generating ranks (one vLLM engine, tensor
+parallel over them) under the launcher."""
 
 from __future__ import annotations
 
@@ -48,8 +49,8 @@ def async_config(root, tiny_model_dir, rm_run, rm_data, name: str, **overrides):
 
 @pytest.fixture(scope="module")
 def stale_run(tiny_model_dir, rm_run, rm_data, tmp_path_factory):
-    """Iteration t's batch generated with the weights after t - 1 (max_staleness 1), truncated
-    importance weights, a sync check and a checkpoint every iteration."""
+    """Iteration t's batch generated with the weights after t - 1 (max_staleness 1) by a vLLM engine
+    tensor parallel over 2 ranks, truncated importance weights, a sync check and a checkpoint every iteration."""
     root = tmp_path_factory.mktemp("ppo_async")
     stale = {
         "rollout__mode": "async",
@@ -57,15 +58,16 @@ def stale_run(tiny_model_dir, rm_run, rm_data, tmp_path_factory):
         "ppo__tis_cap": 2.0,
         "checkpoint__every_steps": 1,
         "rollout__sync_check_every": 1,
+        "rollout__tensor_parallel_size": 2,
     }
     config = async_config(root, tiny_model_dir, rm_run, rm_data, "run", **stale)
-    return root, config, launch("train_ppo.py", config, ranks=2)
+    return root, config, launch("train_ppo.py", config, ranks=3)
 
 
 def test_one_version_behind_trains_evaluates_and_exports(stale_run):
     root, _, result = stale_run
     run = root / "run"
-    assert "sampler vllm on a rank of its own (async, max_staleness 1)" in result.stdout
+    assert "1 rank(s), sampler vllm on 2 rank(s) of its own (async, max_staleness 1)" in result.stdout
     assert metric_series(run, "ppo/staleness") == {1: 0, 2: 1, 3: 1}  # the first batch: the starting weights
     gap = metric_series(run, "ppo/sampler_logprob_gap")
     assert gap[1] < 1e-5 < gap[2]  # the sampler is the actor before the first update, one update behind after
@@ -82,17 +84,17 @@ def test_one_version_behind_trains_evaluates_and_exports(stale_run):
 
 
 def test_a_resume_after_the_generating_rank_is_killed_repeats_the_run(stale_run, tmp_path):
-    """SIGKILL of the generating rank at its 7th generation (3 held-out ones, then the batches of
+    """SIGKILL of the generating ranks at their 7th generation (3 held-out ones, then the batches of
     iterations 1 and 2, then 3 asked at iteration 2): the launcher stops the trainer; --resume
     continues from the last checkpoint with the batch it carried, and every metric repeats."""
     root, config, _ = stale_run
     spec = json.loads(config.read_text())
     spec["logging"]["output_dir"] = str(tmp_path / "run")
     (tmp_path / "run.json").write_text(json.dumps(spec))
-    killed = launch("train_ppo.py", tmp_path / "run.json", ranks=2, env=faults(kill_generating_rank_at=7), check=False)
+    killed = launch("train_ppo.py", tmp_path / "run.json", ranks=3, env=faults(kill_generating_rank_at=7), check=False)
     assert killed.returncode != 0
     assert not (tmp_path / "run" / "actor").exists()
-    resumed = launch("train_ppo.py", tmp_path / "run.json", "--resume", ranks=2)
+    resumed = launch("train_ppo.py", tmp_path / "run.json", "--resume", ranks=3)
     assert "resumed at iteration" in resumed.stdout
     for key in DETERMINISTIC:
         assert_repeats(metric_series(tmp_path / "run", key), metric_series(root / "run", key), what=key)
@@ -103,14 +105,14 @@ def test_the_plan_and_the_rules_of_the_split(stale_run, capsys):
     cfg = load_config(PPOConfig, str(config))
     tokenizer = load_tokenizer(cfg.actor.path, "actor.path")
     prompts = load_fitting_prompts(cfg.data.prompts, tokenizer, cfg, 0)
-    assert ppo_plan(cfg, prompts, [], tokenizer, training_ds_config(cfg.deepspeed, False), 2) == 0
+    assert ppo_plan(cfg, prompts, [], tokenizer, training_ds_config(cfg.deepspeed, False), 3) == 0
     plan = capsys.readouterr().out
-    assert "(2 rank(s): 1 training, 1 generating (rollout.mode async))" in plan
+    assert "(3 rank(s): 1 training, 2 generating (rollout.mode async))" in plan
     assert "actor                541,568 parameters (trained): ZeRO-3, 1 rank(s)" in plan
-    assert "vLLM sampler: 1 engine on the generating rank, none on the training ranks" in plan
+    assert "vLLM sampler: 1 engine of tensor parallel size 2 on the generating rank(s), none on the training" in plan
     assert "per generating rank: " in plan
-    with pytest.raises(ConfigError, match="needs 2 ranks or more"):
-        cfg.check_world_size(1)
+    with pytest.raises(ConfigError, match=r"needs more than rollout.tensor_parallel_size \(2\) ranks"):
+        cfg.check_world_size(2)
     for bad, match in (
         ({"dynamic_sampling": True}, "no dynamic_sampling"),
         ({"sampler": "hf"}, "needs sampler vllm"),

@@ -201,7 +201,7 @@ def main() -> int:
             f"train_ppo: {len(prompts)} prompts, {iterations} iterations, {world} rank(s), sampler "
             f"{cfg.rollout.sampler}"
             + (
-                f" on a rank of its own (async, max_staleness {cfg.rollout.max_staleness})"
+                f" on {cfg.generation_ranks()} rank(s) of its own (async, max_staleness {cfg.rollout.max_staleness})"
                 if cfg.rollout.mode == "async"
                 else ""
             )

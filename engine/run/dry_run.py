@@ -164,9 +164,9 @@ def ppo_plan(
     device_gib: float | None = None,
 ) -> int:
     """The PPO run: prompts, rollout and update batch plan (worst-case lengths), parameters, memory. With
-    rollout.mode async the batches and models are the training ranks', the sampler the generating rank's."""
+    rollout.mode async the batches and models are the training ranks', the sampler the generating ranks'."""
     trainers = world - cfg.generation_ranks()
-    split = f": {trainers} training, 1 generating (rollout.mode async)" if trainers < world else ""
+    split = f": {trainers} training, {world - trainers} generating (rollout.mode async)" if trainers < world else ""
     print(f"dry run of train_ppo.py ({world} rank(s){split}); nothing is trained or written")
     lengths = [len(prompt_ids(tokenizer, p.messages)) for p in prompts]
     print(f"prompts:      {length_stats(lengths)}")

@@ -213,7 +213,7 @@ def vllm_memory(cfg, world: int) -> str:
         else f"KV cache in {r.vllm_gpu_memory_utilization:.0%} of the GPU"
     )
     layout = (
-        "1 engine on the generating rank, none on the training ranks"
+        f"1 engine of tensor parallel size {tp} on the generating rank(s), none on the training ranks"
         if r.mode == "async"
         else f"{world // tp} engine(s) of tensor parallel size {tp}"
         if tp > 1

@@ -69,14 +69,15 @@ class RolloutSection(Config):
     )
     tensor_parallel_size: int = option(
         1,
-        "ranks that share one vLLM engine, each holding a shard "
-        "(groups of consecutive ranks; must divide the world size)",
+        "ranks that share one vLLM engine, each holding a shard (colocated: groups of consecutive ranks, "
+        "dividing the world size; mode async: the generating ranks)",
         ge=1,
     )
     mode: Literal["colocated", "async"] = option(
         "colocated",
-        "colocated: every rank generates, then every rank trains; async: the last rank only generates (one vLLM "
-        "engine) while the others only train, each batch generated up to max_staleness policy versions ahead",
+        "colocated: every rank generates, then every rank trains; async: the last tensor_parallel_size ranks only "
+        "generate (one vLLM engine) while the others only train, each batch generated up to max_staleness policy "
+        "versions ahead",
     )
     max_staleness: int = option(
         1,
@@ -98,10 +99,9 @@ class RolloutSection(Config):
     )
 
     def check(self) -> None:
-        if self.mode == "async" and (self.sampler != "vllm" or self.tensor_parallel_size > 1 or self.dynamic_sampling):
+        if self.mode == "async" and (self.sampler != "vllm" or self.dynamic_sampling):
             raise ConfigError(
-                "'mode' async runs one vLLM engine on one rank of its own: it needs sampler vllm, "
-                "tensor_parallel_size 1 and no dynamic_sampling"
+                "'mode' async runs one vLLM engine on ranks of its own: it needs sampler vllm and no dynamic_sampling"
             )
         if self.tensor_parallel_size > 1 and self.sampler != "vllm":
             raise ConfigError(
@@ -325,16 +325,21 @@ class PPOConfig(Config):
         return CriticSource(self.actor.path, ["value"])
 
     def generation_ranks(self) -> int:
-        return 1 if self.rollout.mode == "async" else 0
+        """The ranks that only generate: one vLLM engine's with rollout.mode async, else none."""
+        return self.rollout.tensor_parallel_size if self.rollout.mode == "async" else 0
 
     def check_world_size(self, world: int) -> None:
         """The batch shapes against the number of ranks (the training ranks', with rollout.mode async)."""
-        if world <= self.generation_ranks():
-            raise ConfigError(f"{self._source}: config: rollout.mode async needs 2 ranks or more (one generates)")
-        world -= self.generation_ranks()
+        generating = self.generation_ranks()
+        if world <= generating:
+            raise ConfigError(
+                f"{self._source}: config: rollout.mode async needs more than rollout.tensor_parallel_size "
+                f"({generating}) ranks: those generate, the others train"
+            )
+        world -= generating
         tp, prompts = self.rollout.tensor_parallel_size, self.rollout.prompts_per_iteration
         for broken, message in (
-            (world % tp, f"rollout.tensor_parallel_size ({tp}) must divide the {world} ranks"),
+            (not generating and world % tp, f"rollout.tensor_parallel_size ({tp}) must divide the {world} ranks"),
             (prompts % world, f"rollout.prompts_per_iteration ({prompts}) must divide over {world} ranks"),
             (self.ppo.mini_batch_size % world, f"{self._mini_batch_rule()}, and be divisible by {world} ranks"),
         ):
