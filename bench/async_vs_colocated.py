@@ -24,8 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ppo_vs_trl import SHAPE, prepare_ppo_run
-from rm_vs_trl import run
+from ppo_vs_trl import SHAPE, prepare_ppo_run, run_demo_ppo
 
 MODES = {"colocated": [], "async": ["--rollout.mode", "async", "--rollout.max_staleness", "1"]}
 PHASES = {
@@ -45,7 +44,6 @@ def main() -> int:
         parser.add_argument(f"--{flag}", type=int, default=default, help="of the model built for the run")
     args = parser.parse_args()
     shape = [a for flag in SHAPE for a in (f"--{flag}", str(getattr(args, flag.replace("-", "_"))))]
-    launcher = str(Path(sys.executable).parent / "deepspeed")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -53,21 +51,9 @@ def main() -> int:
         for tokens in args.new_tokens:
             for mode, extra in MODES.items():
                 out = work / f"{mode}_{tokens}"
-                run(
-                    [
-                        launcher,
-                        "--num_gpus",
-                        "2",
-                        "train/train_ppo.py",
-                        "--config",
-                        "ds_configs/demo_ppo.json",
-                        *overrides,
-                        "--rollout.max_new_tokens",
-                        str(tokens),
-                        *extra,
-                        "--logging.output_dir",
-                        str(out),
-                    ]
+                run_demo_ppo(
+                    [*overrides, "--rollout.max_new_tokens", str(tokens), *extra, "--logging.output_dir", str(out)],
+                    ranks=2,
                 )
                 metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][2:]
                 median = {k: statistics.median(m[key] for m in metrics) for k, key in PHASES.items()}

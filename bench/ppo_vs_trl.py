@@ -58,6 +58,12 @@ SHAPE = {
 }  # data_prep/make_tiny_model.py
 
 
+def run_demo_ppo(overrides: list[str], ranks: int = 1) -> None:
+    """train/train_ppo.py on ds_configs/demo_ppo.json with ``overrides``, under the deepspeed launcher."""
+    launcher = str(Path(sys.executable).parent / "deepspeed")
+    run([launcher, "--num_gpus", str(ranks), "train/train_ppo.py", "--config", "ds_configs/demo_ppo.json", *overrides])
+
+
 def write_run_prompts(source: Path, count: int, out: Path, out_in_order: Path) -> None:
     """The run's first ``count`` prompts for train_ppo.py, and the same in the order its seed-0
     shuffle draws them (all fit: prompts are at most 256 tokens), for TRL and the model math."""
@@ -176,26 +182,12 @@ def main() -> int:
     if not HH.is_file():
         sys.exit(f"needs the HH-RLHF file at {HH}")
     peer_python = ensure_peer_venv(Path(args.peer_venv), TRL_PPO_VERSION)
-    launcher = str(Path(sys.executable).parent / "deepspeed")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model, in_order, ppo_overrides = prepare_ppo_run(work, shape, args.iterations, k)
 
         def run_ours(label: str, out: Path) -> list[dict]:
-            run(
-                [
-                    launcher,
-                    "--num_gpus",
-                    "1",
-                    "train/train_ppo.py",
-                    "--config",
-                    "ds_configs/demo_ppo.json",
-                    *ppo_overrides,
-                    *VARIANTS[label],
-                    "--logging.output_dir",
-                    str(out),
-                ]
-            )
+            run_demo_ppo([*ppo_overrides, *VARIANTS[label], "--logging.output_dir", str(out)])
             return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
 
         def run_trl(out: Path) -> tuple[float | None, str]:

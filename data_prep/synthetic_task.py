@@ -69,6 +69,15 @@ def total_score(response: str, topic: str) -> int:
     return sum(component_scores(response, topic).values())
 
 
+def prompt_topic(prompt: str) -> str:
+    """The topic a prompt of this task asks about (ValueError for a prompt that names none)."""
+    words = {w.strip(".,!?").lower() for w in prompt.split()}
+    found = [t for t in TOPICS if t in words]
+    if len(found) != 1:
+        raise ValueError(f"not a prompt of the synthetic task (topics named: {found}): {prompt!r}")
+    return found[0]
+
+
 def sample_response(rng: random.Random, topic: str) -> str:
     kinds, weights = zip(*WORD_KINDS)
     pools = {"topic": [topic], "positive": POSITIVE, "negative": NEGATIVE, "filler": FILLER}

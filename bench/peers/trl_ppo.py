@@ -1,17 +1,24 @@
-"""TRL 1.12's PPOTrainer (trl.experimental.ppo; removed in 1.13) on the demo models; run in the
-peer venv by bench/ppo_vs_trl.py. Its batches take the prompts in file order. Prints one JSON
-line with the seconds of each iteration."""
+"""TRL 1.12's PPOTrainer (trl.experimental.ppo; removed in 1.13) on our models; run in the peer venv
+by bench/ppo_vs_trl.py (speed) and bench/frontier_vs_trl.py (reward against KL). Its batches take
+the prompts in file order. The reward is train_ppo.py's reward model scorer as one head: the reward
+model's heads weighted as reward_stats.json says and standardised with its mean and std (when it
+has them); the value model starts from the same backbone and head (TRL's recipe: the value model
+is the reward model). Prints one JSON line with the seconds of each iteration; --save writes the
+trained policy."""
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
 from datasets import Dataset
 from iteration_clock import IterationClock, train_and_print_step_seconds
+from safetensors.torch import load_file
 from torch.utils.data import DataLoader
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 from trl.experimental.ppo import PPOConfig, PPOTrainer
 
 
@@ -33,8 +40,13 @@ def main() -> None:
     parser.add_argument(
         "--micro-batch", type=int, default=0, help="rows per forward/backward (0: all rows of an iteration)"
     )
+    parser.add_argument("--num-mini-batches", type=int, default=1)
+    parser.add_argument("--learning-rate", type=float, default=5e-4)
+    parser.add_argument("--kl-coef", type=float, default=0.02)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save", help="write the trained policy (HF model and tokenizer) here")
     args = parser.parse_args()
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     tok = AutoTokenizer.from_pretrained(args.actor)
     prompts = pq.read_table(args.prompts).column("prompt").to_pylist()[: args.iterations * args.prompts_per_iteration]
     rows = [
@@ -44,35 +56,30 @@ def main() -> None:
     ]
     dataset = Dataset.from_dict({"input_ids": rows})
     per_iteration = args.prompts_per_iteration * args.samples_per_prompt
-    micro = args.micro_batch or per_iteration
-    if per_iteration % micro:
-        parser.error(f"--micro-batch {micro} must divide the {per_iteration} rows of an iteration")
+    per_mini_batch = per_iteration // args.num_mini_batches
+    micro = args.micro_batch or per_mini_batch
+    if per_iteration % args.num_mini_batches or per_mini_batch % micro:
+        parser.error(f"--micro-batch {micro} must divide each of --num-mini-batches of the {per_iteration} rows")
     policy, ref = (AutoModelForCausalLM.from_pretrained(args.actor) for _ in range(2))
-    # Single-output heads on the reward model's backbone (the head shapes differ, the cost does not).
-    reward, value = (
-        AutoModelForSequenceClassification.from_pretrained(args.reward, num_labels=1, ignore_mismatched_sizes=True)
-        for _ in range(2)
-    )
-    for m in (reward, value):
-        m.config.pad_token_id = tok.pad_token_id
+    reward, value = (scorer_as_one_head(args.reward, tok.pad_token_id) for _ in range(2))
     config = PPOConfig(
         output_dir=args.out,
         per_device_train_batch_size=micro,
-        gradient_accumulation_steps=per_iteration // micro,
-        num_mini_batches=1,
+        gradient_accumulation_steps=per_mini_batch // micro,
+        num_mini_batches=args.num_mini_batches,
         num_ppo_epochs=1,
         total_episodes=args.iterations * per_iteration,
         local_rollout_forward_batch_size=micro,
         response_length=args.new_tokens,
         stop_token="eos",
         temperature=1.0,
-        learning_rate=5e-4,
-        kl_coef=0.02,
+        learning_rate=args.learning_rate,
+        kl_coef=args.kl_coef,
         num_sample_generations=0,
         report_to="none",
         save_strategy="no",
         use_cpu=True,
-        seed=0,
+        seed=args.seed,
     )
     clock = IterationClock()
     trainer = PPOTrainer(
@@ -96,6 +103,28 @@ def main() -> None:
         )
     )
     train_and_print_step_seconds(trainer, clock)
+    if args.save:  # (PPOTrainer.save_model fails under transformers 5.19: an attribute its __init__ never sets)
+        trainer.accelerator.unwrap_model(trainer.model).policy.save_pretrained(args.save)
+        tok.save_pretrained(args.save)
+
+
+def scorer_as_one_head(path: str, pad_token_id: int) -> AutoModelForSequenceClassification:
+    """The reward model at ``path`` (backbone + ``Linear(hidden, C)``, one output per component) as a
+    one-output sequence classifier whose output is train_ppo.py's reward: ``(sum_c w_c head_c - mean) / std``."""
+    head = load_file(str(Path(path) / "model.safetensors"))  # the backbone's keys load below
+    config = AutoConfig.from_pretrained(path)
+    labels = [config.id2label[i] for i in sorted(config.id2label)]
+    stats_path = Path(path) / "reward_stats.json"
+    stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
+    weights = torch.tensor([stats.get("weights", {}).get(c, 1.0) for c in labels])  # (C,)
+    mean, std = stats.get("mean", 0.0), stats.get("std", 1.0)
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, ignore_mismatched_sizes=True)
+    score = torch.nn.Linear(model.config.hidden_size, 1, bias=True)
+    with torch.no_grad():
+        score.weight.copy_((weights @ head["score.weight"])[None] / std)
+        score.bias.fill_(((weights @ head["score.bias"]).item() - mean) / std)
+    model.score, model.config.pad_token_id = score, pad_token_id
+    return model
 
 
 if __name__ == "__main__":

@@ -1,0 +1,231 @@
+"""The reward-KL frontier: true score against KL to the SFT model, train/train_ppo.py vs TRL 1.12's PPOTrainer.
+
+    python bench/frontier_vs_trl.py [--work runs/frontier] [--kl-coefs 0.02 0.05 0.1 0.3] [--seeds 0 1 2]
+                                    [--iterations 40] [--variant LABEL=OVERRIDES ...] [--no-trl]
+                                    [--plot docs/frontier.png] [--peer-venv bench/.peer-trl112]
+
+The demo's synthetic task (data_prep/synthetic_task.py knows its rule): the demo's SFT model and
+reward model (``make demo``'s stages, run once into WORK/demo), then per fixed KL coefficient and
+seed a PPO run from the SFT model on the demo's training prompts: 16 prompts x 4 samples x 24 new
+tokens per iteration, 2 mini-batches, one epoch, lr 3e-4, clip 0.2, GAE (gamma 1, lambda 0.95),
+value model from the reward model, the same prompts in the same order for both trainers.
+
+- ours: ds_configs/demo_ppo.json with ``ppo.kl_target`` null (a fixed coefficient), no evaluation,
+  rollback or checkpoint; ``--variant LABEL=OVERRIDES`` adds a run set with train_ppo.py overrides
+  (``--variant "no whitening=--ppo.whiten_advantages false"``): the ablations;
+- TRL: bench/peers/trl_ppo.py, its defaults except the settings above (its reward: the same reward
+  model, weighted and standardised as ours reads it).
+
+Every final policy is measured the same way, by bench/frontier_eval.py (held-out prompts, 32 samples
+each: the rule's true score and the KL per token to the SFT model). Runs are kept in WORK and not
+repeated (a stopped sweep continues). Prints each run, then per trainer the true score gain over
+the SFT model interpolated at matched KL per token (each seed's points, then their mean), and plots
+score against KL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+from ppo_vs_trl import run_demo_ppo
+from rm_vs_trl import REPO, ensure_peer_venv, run
+
+from engine.data.batching import epoch_order
+
+TRL_PPO_VERSION = "1.12.0"
+TRL = f"TRL {TRL_PPO_VERSION}"
+MATCHED_KL = (0.05, 0.15, 0.3)
+PROMPTS_PER_ITERATION, SAMPLES_PER_PROMPT, MINI_BATCHES, LR = 16, 4, 2, 3e-4  # ds_configs/demo_ppo.json's
+
+
+def demo_models(work: Path) -> Path:
+    """The demo's data, SFT model and reward model under ``work`` (``make demo``'s stages; run once)."""
+    if not (work / "rm" / "model" / "reward_stats.json").exists():
+        run(["bash", "data_prep/run_demo.sh", str(work)], PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    return work
+
+
+def prompts_in_draw_order(prompts: Path, seed: int, draws: int, out: Path) -> Path:
+    """The prompts train_ppo.py draws with ``train.seed`` ``seed``, in its order, for a trainer that reads
+    them in file order: epoch by epoch (``epoch_order``), whole draws only."""
+    table = pq.read_table(prompts)
+    per_epoch = table.num_rows // PROMPTS_PER_ITERATION
+    rows = [
+        int(i)
+        for d in range(draws)
+        for i in epoch_order(table.num_rows, seed, d // per_epoch)[
+            (d % per_epoch) * PROMPTS_PER_ITERATION : (d % per_epoch + 1) * PROMPTS_PER_ITERATION
+        ]
+    ]
+    pq.write_table(table.take(rows), out)
+    return out
+
+
+def train_ours(demo: Path, out: Path, kl_coef: float, seed: int, iterations: int, overrides: list[str]) -> Path:
+    run_demo_ppo(
+        [
+            *("--actor.path", str(demo / "sft" / "model"), "--reward_model.path", str(demo / "rm" / "model")),
+            *("--data.prompts", str(demo / "data" / "prompts_train.parquet"), "--data.eval_prompts", ""),
+            *("--ppo.kl_coef", str(kl_coef), "--ppo.kl_target", "null", "--train.seed", str(seed)),
+            *("--train.iterations", str(iterations), "--train.eval_every", "0", "--guards.rollback_drop", "null"),
+            *("--checkpoint.every_steps", "0", "--logging.wandb", "false", "--logging.tensorboard", "false"),
+            *("--logging.progress_bar", "false", "--logging.output_dir", str(out), "--overwrite", *overrides),
+        ]
+    )
+    return out / "actor"
+
+
+def train_trl(demo: Path, out: Path, kl_coef: float, seed: int, iterations: int, peer_python: Path) -> Path:
+    prompts = prompts_in_draw_order(
+        demo / "data" / "prompts_train.parquet", seed, iterations, out.parent / f"prompts-seed{seed}.parquet"
+    )
+    run(
+        [
+            str(peer_python),
+            "bench/peers/trl_ppo.py",
+            *("--actor", str(demo / "sft" / "model"), "--reward", str(demo / "rm" / "model")),
+            *("--prompts", str(prompts), "--out", str(out / "trainer"), "--save", str(out / "actor")),
+            *("--iterations", str(iterations), "--new-tokens", "24", "--samples-per-prompt", str(SAMPLES_PER_PROMPT)),
+            *("--num-mini-batches", str(MINI_BATCHES), "--micro-batch", "16", "--learning-rate", str(LR)),
+            *("--kl-coef", str(kl_coef), "--seed", str(seed)),
+        ],
+        WANDB_MODE="disabled",
+    )
+    return out / "actor"
+
+
+def measure(demo: Path, policy: Path) -> dict:
+    """bench/frontier_eval.py's JSON line for ``policy``."""
+    line = run(
+        [
+            sys.executable,
+            "bench/frontier_eval.py",
+            *("--policy", str(policy), "--sft", str(demo / "sft" / "model")),
+            *("--prompts", str(demo / "data" / "prompts_validation.parquet"), "--samples-per-prompt", "32"),
+        ],
+        PYTHONPATH=str(REPO),
+    ).splitlines()[-1]
+    return json.loads(line)
+
+
+def at_matched_kl(points: list[tuple[float, float]], kl: float) -> float | None:
+    """The score at ``kl`` on the line through one seed's (KL, score) points; None outside them."""
+    kls, scores = zip(*sorted(points))
+    return float(np.interp(kl, kls, scores)) if kls[0] <= kl <= kls[-1] else None
+
+
+def report(results: dict[str, dict[tuple[float, int], dict]], sft: dict, plot: Path | None) -> None:
+    """The runs, then the score gain over the SFT model at matched KL per token per trainer."""
+    print(f"SFT model: true score {sft['score']:.3f} +- {sft['score_stderr']:.3f}, {sft['response_tokens']:.1f} tokens")
+    print(
+        f"{'trainer':<28}{'kl_coef':>8}{'seed':>5}{'KL/token':>10}{'score':>8}{'gain/sqrt(KL)':>15}{'tokens':>8}{'min':>6}"
+    )
+    for label, runs in results.items():
+        for (coef, seed), r in sorted(runs.items()):
+            gain = (r["score"] - sft["score"]) / max(r["kl_per_token"], 1e-9) ** 0.5
+            print(
+                f"{label:<28}{coef:>8g}{seed:>5}{r['kl_per_token']:>10.4f}{r['score']:>8.3f}{gain:>15.2f}"
+                f"{r['response_tokens']:>8.1f}{r['train_s'] / 60:>6.1f}"
+            )
+    print("true score gain over the SFT model at matched KL per token: mean of seeds [each seed]")
+    print(f"{'trainer':<28}" + "".join(f"{'KL ' + str(kl):>28}" for kl in MATCHED_KL))
+    for label, runs in results.items():
+        cells = []
+        for kl in MATCHED_KL:
+            seeds = sorted({s for _, s in runs})
+            per_seed = [
+                at_matched_kl([(r["kl_per_token"], r["score"]) for (_, s), r in runs.items() if s == seed], kl)
+                for seed in seeds
+            ]
+            known = [g - sft["score"] for g in per_seed if g is not None]
+            each = "/".join("-" if g is None else f"{g - sft['score']:.2f}" for g in per_seed)
+            cells.append(f"{statistics.mean(known):.3f} [{each}]" if len(known) == len(per_seed) else f"- [{each}]")
+        print(f"{label:<28}" + "".join(f"{c:>28}" for c in cells))
+    if plot is not None:
+        plot_frontier(results, sft, plot)
+
+
+def plot_frontier(results: dict[str, dict[tuple[float, int], dict]], sft: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, runs in results.items():
+        points = ax.scatter(
+            [r["kl_per_token"] for r in runs.values()],
+            [r["score"] for r in runs.values()],
+            s=12,
+            alpha=0.5,
+            label=label,
+        )
+        coefs = sorted({c for c, _ in runs})
+        means = [
+            [statistics.mean(r[key] for (c, _), r in runs.items() if c == coef) for coef in coefs]
+            for key in ("kl_per_token", "score")
+        ]
+        ax.plot(*means, color=points.get_facecolor()[0], alpha=1.0)
+    ax.scatter([0], [sft["score"]], marker="x", color="black", label="SFT model")
+    ax.set_xlabel("KL per token to the SFT model (held-out samples)")
+    ax.set_ylabel("true score (the task's rule)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--work", default=str(REPO / "runs" / "frontier"), help="kept between calls")
+    parser.add_argument("--kl-coefs", type=float, nargs="+", default=[0.02, 0.05, 0.1, 0.3])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--iterations", type=int, default=40)
+    parser.add_argument("--variant", action="append", default=[], help='"LABEL=train_ppo.py overrides" (repeatable)')
+    parser.add_argument("--no-trl", action="store_true", help="only our runs (TRL's kept runs are still reported)")
+    parser.add_argument("--plot", help="write the score-KL plot here (.png)")
+    parser.add_argument("--peer-venv", default=str(REPO / "bench" / ".peer-trl112"))
+    args = parser.parse_args()
+    work = Path(args.work).resolve()
+    demo = demo_models(work / "demo")
+    trainers: dict[str, list[str] | None] = {"ours": []}  # label -> overrides (None: TRL)
+    trainers |= {v.split("=", 1)[0]: shlex.split(v.split("=", 1)[1]) for v in args.variant}
+    if not args.no_trl:
+        trainers[TRL] = None
+    peer_python = None if args.no_trl else ensure_peer_venv(Path(args.peer_venv), TRL_PPO_VERSION)
+    results: dict[str, dict[tuple[float, int], dict]] = {}
+    for label, overrides in trainers.items():
+        results[label] = {}
+        for coef in args.kl_coefs:
+            for seed in args.seeds:
+                out = work / label.replace(" ", "_") / f"kl{coef:g}-seed{seed}-it{args.iterations}"
+                result = out / "result.json"
+                if not result.exists():
+                    out.mkdir(parents=True, exist_ok=True)
+                    t0 = time.perf_counter()
+                    if overrides is None:
+                        policy = train_trl(demo, out, coef, seed, args.iterations, peer_python)  # type: ignore[arg-type]
+                    else:
+                        policy = train_ours(demo, out, coef, seed, args.iterations, overrides)
+                    train_s = time.perf_counter() - t0
+                    result.write_text(json.dumps(measure(demo, policy) | {"train_s": train_s}))
+                results[label][coef, seed] = json.loads(result.read_text())
+    sft_result = work / "sft.json"
+    if not sft_result.exists():
+        sft_result.write_text(json.dumps(measure(demo, demo / "sft" / "model")))
+    report(results, json.loads(sft_result.read_text()), Path(args.plot) if args.plot else None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
