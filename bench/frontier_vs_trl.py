@@ -203,11 +203,10 @@ def main() -> int:
     if not args.no_trl:
         trainers[TRL] = None
     peer_python = None if args.no_trl else ensure_peer_venv(Path(args.peer_venv), TRL_PPO_VERSION)
-    results: dict[str, dict[tuple[float, int], dict]] = {}
-    for label, overrides in trainers.items():
-        results[label] = {}
+    results: dict[str, dict[tuple[float, int], dict]] = {label: {} for label in trainers}
+    for seed in args.seeds:  # seed by seed: a sweep stopped early has every trainer at each point done
         for coef in args.kl_coefs:
-            for seed in args.seeds:
+            for label, overrides in trainers.items():
                 out = work / label.replace(" ", "_") / f"kl{coef:g}-seed{seed}-it{args.iterations}"
                 result = out / "result.json"
                 if not result.exists():
