@@ -123,6 +123,19 @@ def at_matched_kl(points: list[tuple[float, float]], kl: float) -> float | None:
     return float(np.interp(kl, kls, scores)) if kls[0] <= kl <= kls[-1] else None
 
 
+def matched_gains(runs: dict[tuple[float, int], dict], sft_score: float, kl: float) -> list[float | None]:
+    """Each seed's true score gain over the SFT model at ``kl``, on the line through its runs (None outside)."""
+    seeds = sorted({s for _, s in runs})
+    points = [[(r["kl_per_token"], r["score"]) for (_, s), r in runs.items() if s == seed] for seed in seeds]
+    return [None if (score := at_matched_kl(p, kl)) is None else score - sft_score for p in points]
+
+
+def gain_cell(gains: list[float | None]) -> str:
+    """``mean [seed/seed/...]``; the mean only when every seed reaches the KL."""
+    mean = f"{statistics.mean(gains):.3f}" if None not in gains else "-"
+    return f"{mean} [{'/'.join('-' if g is None else f'{g:.2f}' for g in gains)}]"
+
+
 def report(results: dict[str, dict[tuple[float, int], dict]], sft: dict, plot: Path | None) -> None:
     """The runs, then the score gain over the SFT model at matched KL per token per trainer."""
     print(f"SFT model: true score {sft['score']:.3f} +- {sft['score_stderr']:.3f}, {sft['response_tokens']:.1f} tokens")
@@ -138,18 +151,19 @@ def report(results: dict[str, dict[tuple[float, int], dict]], sft: dict, plot: P
             )
     print("true score gain over the SFT model at matched KL per token: mean of seeds [each seed]")
     print(f"{'trainer':<28}" + "".join(f"{'KL ' + str(kl):>28}" for kl in MATCHED_KL))
-    for label, runs in results.items():
-        cells = []
-        for kl in MATCHED_KL:
-            seeds = sorted({s for _, s in runs})
-            per_seed = [
-                at_matched_kl([(r["kl_per_token"], r["score"]) for (_, s), r in runs.items() if s == seed], kl)
-                for seed in seeds
-            ]
-            known = [g - sft["score"] for g in per_seed if g is not None]
-            each = "/".join("-" if g is None else f"{g - sft['score']:.2f}" for g in per_seed)
-            cells.append(f"{statistics.mean(known):.3f} [{each}]" if len(known) == len(per_seed) else f"- [{each}]")
-        print(f"{label:<28}" + "".join(f"{c:>28}" for c in cells))
+    gains = {label: [matched_gains(runs, sft["score"], kl) for kl in MATCHED_KL] for label, runs in results.items()}
+    for label, cells in gains.items():
+        print(f"{label:<28}" + "".join(f"{gain_cell(g):>28}" for g in cells))
+    if TRL in gains:
+        for label, cells in gains.items():
+            if label != TRL:
+                print(
+                    f"{label + ' / TRL':<28}"
+                    + "".join(
+                        f"{f'{statistics.mean(a) / statistics.mean(b):.3f}x' if None not in a + b else '-':>28}"
+                        for a, b in zip(cells, gains[TRL])
+                    )
+                )
     if plot is not None:
         plot_frontier(results, sft, plot)
 
@@ -169,12 +183,14 @@ def plot_frontier(results: dict[str, dict[tuple[float, int], dict]], sft: dict, 
             alpha=0.5,
             label=label,
         )
-        coefs = sorted({c for c, _ in runs})
-        means = [
-            [statistics.mean(r[key] for (c, _), r in runs.items() if c == coef) for coef in coefs]
-            for key in ("kl_per_token", "score")
-        ]
-        ax.plot(*means, color=points.get_facecolor()[0], alpha=1.0)
+        means = sorted(  # per coefficient, the seeds' mean (KL, score), by KL, from the SFT model
+            (
+                statistics.mean(r["kl_per_token"] for (c, _), r in runs.items() if c == coef),
+                statistics.mean(r["score"] for (c, _), r in runs.items() if c == coef),
+            )
+            for coef in {c for c, _ in runs}
+        )
+        ax.plot(*zip((0.0, sft["score"]), *means), color=points.get_facecolor()[0])
     ax.scatter([0], [sft["score"]], marker="x", color="black", label="SFT model")
     ax.set_xlabel("KL per token to the SFT model (held-out samples)")
     ax.set_ylabel("true score (the task's rule)")
