@@ -146,3 +146,16 @@ def test_a_failed_load_is_raised_once_and_the_answers_behind_it_stay_readable():
     with pytest.raises(WeightSyncFailed, match=r"model\.norm\.weight"):
         generation.result()
     assert generation.result() == (samples, 0.1)  # the checkpoint after the failure still reads it
+
+
+def test_each_generating_rank_reads_a_request_and_the_last_removes_it():
+    """Tensor-parallel generating ranks each read every request from the store (no collective, so none
+    times out while the trainers train); the last reader removes it. Two readers on a loopback store."""
+    store = torch.distributed.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=30))
+    link = RolloutLink(SplitWorld(store, rank=1, world=4, trainers=2))  # a training rank: no weights group
+    assert link.generating == 2
+    link.put("req/0/5", {"kind": "stop"})
+    assert link.take_shared("req/0/5") == {"kind": "stop"}  # the first generating rank's read
+    assert store.check(["req/0/5"])
+    assert link.take_shared("req/0/5") == {"kind": "stop"}  # the second's, which removes it
+    assert not store.check(["req/0/5"]) and not store.check(["req/0/5/read"])

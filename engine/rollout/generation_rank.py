@@ -1,7 +1,7 @@
 """The generating ranks of an async rollout (``rollout.mode async``): one vLLM engine, tensor parallel
 over them, answering the trainer ranks' requests (engine/rollout/remote.py) in the order they were
 made, until told to stop. Every generating rank runs every request (vLLM's external launcher: the
-ranks of an engine step together); the first reads the requests and writes the answers.
+ranks of an engine step together); each reads the requests, the first writes the answers.
 
 Weight loads are counted; a generation request carries the count its trainer had sent when it
 asked, and is answered only with those weights (a mismatch is a bug in the order, not a timing

@@ -3,9 +3,9 @@
 The launched world is split (engine/run/distributed.SplitWorld): the trainers train, the last ranks
 run one vLLM engine, tensor parallel over them (engine/rollout/generation_rank.py). Each trainer
 rank writes numbered requests into its own queue in the launcher's store (``req/<trainer>/<n>``):
-generate these prompts with this seed, load new weights, stop. The first generating rank takes
-request n of every queue, then n + 1, passes them to the other generating ranks (their own group),
-and answers each in ``resp/<trainer>/<n>``. Requests run in the order they were made, so which weights
+generate these prompts with this seed, load new weights, stop. The generating ranks all read
+request n of every queue, then n + 1, and run each together; the first answers each in
+``resp/<trainer>/<n>``. Requests run in the order they were made, so which weights
 generate which batch is fixed by the trainers' program, not by timing: a batch asked for before
 the sync of version v is generated with the weights before v.
 
@@ -67,25 +67,32 @@ class RolloutLink:
     def put(self, key: str, message: Any) -> None:
         self.store.set(key, pickle.dumps(message))
 
-    def take(self, key: str) -> Any:
-        """The message at ``key`` (waiting for it), removed from the store."""
+    def read(self, key: str) -> Any:
+        """The message at ``key``, waiting for it (without a deadline: a dead peer ends the launch)."""
         while True:
             try:
                 self.store.wait([key], POLL)
                 break
             except torch.distributed.DistStoreError:  # not there yet
                 continue
-        message = pickle.loads(self.store.get(key))
+        return pickle.loads(self.store.get(key))
+
+    def take(self, key: str) -> Any:
+        """The message at ``key`` (waiting for it), removed from the store."""
+        message = self.read(key)
         self.store.delete_key(key)
         return message
 
     def take_shared(self, key: str) -> Any:
-        """On the generating ranks: the message at ``key``, taken by the first and passed to the others
-        over their own group (torch's default one on that side)."""
-        box = [self.take(key) if self.leads else None]
-        if self.generating > 1:
-            torch.distributed.broadcast_object_list(box, src=0)
-        return box[0]
+        """On the generating ranks: the message at ``key``, read by each (no collective: a rank may wait
+        for the trainers for as long as they train), removed by the last to read it."""
+        if self.generating == 1:
+            return self.take(key)
+        message = self.read(key)
+        if self.store.add(f"{key}/read", 1) == self.generating:
+            self.store.delete_key(key)
+            self.store.delete_key(f"{key}/read")
+        return message
 
     def broadcast(self, flat: torch.Tensor) -> None:
         """Trainer rank 0's ``flat`` (uint8) into the generating ranks'."""
