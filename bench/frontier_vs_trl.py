@@ -1,8 +1,8 @@
 """The reward-KL frontier: true score against KL to the SFT model, train/train_ppo.py vs TRL 1.12's PPOTrainer.
 
-    python bench/frontier_vs_trl.py [--work runs/frontier] [--kl-coefs 0.02 0.05 0.1 0.3] [--seeds 0 1 2]
-                                    [--iterations 40] [--variant LABEL=OVERRIDES ...] [--no-trl]
-                                    [--plot docs/frontier.png] [--peer-venv bench/.peer-trl112]
+    python bench/frontier_vs_trl.py [--work runs/frontier] [--kl-coefs 0.005 0.02 0.05 0.1 0.3 1.0]
+                                    [--seeds 0 1 2] [--iterations 40] [--variant LABEL=OVERRIDES ...]
+                                    [--no-trl] [--report-only] [--plot PATH] [--peer-venv bench/.peer-trl112]
 
 The demo's synthetic task (data_prep/synthetic_task.py knows its rule): the demo's SFT model and
 reward model (``make demo``'s stages, run once into WORK/demo), then per fixed KL coefficient and
@@ -204,28 +204,28 @@ def plot_frontier(results: dict[str, dict[tuple[float, int], dict]], sft: dict, 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work", default=str(REPO / "runs" / "frontier"), help="kept between calls")
-    parser.add_argument("--kl-coefs", type=float, nargs="+", default=[0.02, 0.05, 0.1, 0.3])
+    parser.add_argument("--kl-coefs", type=float, nargs="+", default=[0.005, 0.02, 0.05, 0.1, 0.3, 1.0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--iterations", type=int, default=40)
     parser.add_argument("--variant", action="append", default=[], help='"LABEL=train_ppo.py overrides" (repeatable)')
-    parser.add_argument("--no-trl", action="store_true", help="only our runs (TRL's kept runs are still reported)")
+    parser.add_argument("--no-trl", action="store_true", help="run none of TRL's (its kept runs are reported)")
+    parser.add_argument("--report-only", action="store_true", help="run nothing: report the kept runs")
     parser.add_argument("--plot", help="write the score-KL plot here (.png)")
     parser.add_argument("--peer-venv", default=str(REPO / "bench" / ".peer-trl112"))
     args = parser.parse_args()
     work = Path(args.work).resolve()
     demo = demo_models(work / "demo")
-    trainers: dict[str, list[str] | None] = {"ours": []}  # label -> overrides (None: TRL)
+    trainers: dict[str, list[str] | None] = {"ours": [], TRL: None}  # label -> overrides (None: TRL)
     trainers |= {v.split("=", 1)[0]: shlex.split(v.split("=", 1)[1]) for v in args.variant}
-    if not args.no_trl:
-        trainers[TRL] = None
-    peer_python = None if args.no_trl else ensure_peer_venv(Path(args.peer_venv), TRL_PPO_VERSION)
+    runs_trl = not (args.no_trl or args.report_only)
+    peer_python = ensure_peer_venv(Path(args.peer_venv), TRL_PPO_VERSION) if runs_trl else None
     results: dict[str, dict[tuple[float, int], dict]] = {label: {} for label in trainers}
     for seed in args.seeds:  # seed by seed: a sweep stopped early has every trainer at each point done
         for coef in args.kl_coefs:
             for label, overrides in trainers.items():
                 out = work / label.replace(" ", "_") / f"kl{coef:g}-seed{seed}-it{args.iterations}"
                 result = out / "result.json"
-                if not result.exists():
+                if not result.exists() and not args.report_only and (overrides is not None or runs_trl):
                     out.mkdir(parents=True, exist_ok=True)
                     t0 = time.perf_counter()
                     if overrides is None:
@@ -234,7 +234,8 @@ def main() -> int:
                         policy = train_ours(demo, out, coef, seed, args.iterations, overrides)
                     train_s = time.perf_counter() - t0
                     result.write_text(json.dumps(measure(demo, policy) | {"train_s": train_s}))
-                results[label][coef, seed] = json.loads(result.read_text())
+                if result.exists():
+                    results[label][coef, seed] = json.loads(result.read_text())
     sft_result = work / "sft.json"
     if not sft_result.exists():
         sft_result.write_text(json.dumps(measure(demo, demo / "sft" / "model")))
