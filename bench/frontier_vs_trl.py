@@ -35,16 +35,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
-from ppo_vs_trl import run_demo_ppo
+from ppo_vs_trl import prompts_in_draw_order, run_demo_ppo
 from rm_vs_trl import REPO, ensure_peer_venv, run
-
-from engine.data.batching import epoch_order
 
 TRL_PPO_VERSION = "1.12.0"
 TRL = f"TRL {TRL_PPO_VERSION}"
 MATCHED_KL = (0.05, 0.15, 0.3)
-PROMPTS_PER_ITERATION, SAMPLES_PER_PROMPT, MINI_BATCHES, LR = 16, 4, 2, 3e-4  # ds_configs/demo_ppo.json's
+SAMPLES_PER_PROMPT, MINI_BATCHES, LR = 4, 2, 3e-4  # ds_configs/demo_ppo.json's
 
 
 def demo_models(work: Path) -> Path:
@@ -52,22 +49,6 @@ def demo_models(work: Path) -> Path:
     if not (work / "rm" / "model" / "reward_stats.json").exists():
         run(["bash", "data_prep/run_demo.sh", str(work)], PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     return work
-
-
-def prompts_in_draw_order(prompts: Path, seed: int, draws: int, out: Path) -> Path:
-    """The prompts train_ppo.py draws with ``train.seed`` ``seed``, in its order, for a trainer that reads
-    them in file order: epoch by epoch (``epoch_order``), whole draws only."""
-    table = pq.read_table(prompts)
-    per_epoch = table.num_rows // PROMPTS_PER_ITERATION
-    rows = [
-        int(i)
-        for d in range(draws)
-        for i in epoch_order(table.num_rows, seed, d // per_epoch)[
-            (d % per_epoch) * PROMPTS_PER_ITERATION : (d % per_epoch + 1) * PROMPTS_PER_ITERATION
-        ]
-    ]
-    pq.write_table(table.take(rows), out)
-    return out
 
 
 def train_ours(demo: Path, out: Path, kl_coef: float, seed: int, iterations: int, overrides: list[str]) -> Path:

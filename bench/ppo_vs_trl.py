@@ -44,6 +44,7 @@ from rm_vs_trl import HH, REPO, ensure_peer_venv, run, run_process
 from engine.data.batching import epoch_order
 
 TRL_PPO_VERSION = "1.12.0"
+PROMPTS_PER_DRAW = 16  # rollout.prompts_per_iteration of every PPO bench run
 VARIANTS = {  # label -> train_ppo.py overrides
     "ZeRO-3": ["--deepspeed", "tiny_cpu_zero3.json"],
     "ZeRO-2": ["--deepspeed", "tiny_cpu_zero2.json"],
@@ -64,12 +65,27 @@ def run_demo_ppo(overrides: list[str], ranks: int = 1) -> None:
     run([launcher, "--num_gpus", str(ranks), "train/train_ppo.py", "--config", "ds_configs/demo_ppo.json", *overrides])
 
 
+def prompts_in_draw_order(prompts: Path, seed: int, draws: int, out: Path) -> Path:
+    """The prompts train_ppo.py draws with ``train.seed`` ``seed``, in its order, for a trainer that reads
+    them in file order: epoch by epoch (``epoch_order``), whole draws only."""
+    table = pq.read_table(prompts)
+    per_epoch = table.num_rows // PROMPTS_PER_DRAW
+    rows = [
+        int(i)
+        for d in range(draws)
+        for i in epoch_order(table.num_rows, seed, d // per_epoch)[
+            (d % per_epoch) * PROMPTS_PER_DRAW : (d % per_epoch + 1) * PROMPTS_PER_DRAW
+        ]
+    ]
+    pq.write_table(table.take(rows), out)
+    return out
+
+
 def write_run_prompts(source: Path, count: int, out: Path, out_in_order: Path) -> None:
     """The run's first ``count`` prompts for train_ppo.py, and the same in the order its seed-0
     shuffle draws them (all fit: prompts are at most 256 tokens), for TRL and the model math."""
-    table = pq.read_table(source).slice(0, count)
-    pq.write_table(table, out)
-    pq.write_table(table.take(epoch_order(table.num_rows, 0, 0)), out_in_order)
+    pq.write_table(pq.read_table(source).slice(0, count), out)
+    prompts_in_draw_order(out, 0, count // PROMPTS_PER_DRAW, out_in_order)
 
 
 def prepare_ppo_run(
@@ -123,7 +139,7 @@ def prepare_ppo_run(
     (work / "rm.json").write_text(json.dumps(rm_config))
     run([launcher, "--num_gpus", "1", "train/train_rm.py", "--config", str(work / "rm.json")])
     prompts, in_order = work / "prompts.parquet", work / "prompts_in_order.parquet"
-    write_run_prompts(data / "prompts_train.parquet", 16 * iterations, prompts, in_order)
+    write_run_prompts(data / "prompts_train.parquet", PROMPTS_PER_DRAW * iterations, prompts, in_order)
     overrides = [
         "--actor.path",
         str(model),

@@ -75,9 +75,8 @@ def serve(sampler: VLLMSampler, split: SplitWorld) -> int:
 
 def first_failure(failures: list[str], generating: int) -> str | None:
     """The first failed check of a weight load on any generating rank (a collective of theirs)."""
-    everyone: list[list[str]] = [[] for _ in range(generating)]
+    everyone: list[list[str]] = [failures]
     if generating > 1:
+        everyone = [[] for _ in range(generating)]
         torch.distributed.all_gather_object(everyone, failures)
-    else:
-        everyone = [failures]
     return next((f"generating rank {g}: {fs[0]}" for g, fs in enumerate(everyone) if fs), None)
