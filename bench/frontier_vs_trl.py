@@ -17,10 +17,13 @@ value model from the reward model, the same prompts in the same order for both t
   model, weighted and standardised as ours reads it).
 
 Every final policy is measured the same way, by bench/frontier_eval.py (held-out prompts, 32 samples
-each: the rule's true score and the KL per token to the SFT model). Runs are kept in WORK and not
-repeated (a stopped sweep continues). Prints each run, then per trainer the true score gain over
-the SFT model interpolated at matched KL per token (each seed's points, then their mean), and plots
-score against KL.
+each: the rule's true score and the KL per token to the SFT model). Two references come from 128
+samples of the SFT model per held-out prompt (bench/frontier_references.py): best-of-n ranked by
+the reward model, and the optimum of the objective PPO maximises, E[r] - beta KL; their n = 1 is
+the SFT model's score every gain is counted from. Runs are kept in WORK and not repeated (a stopped
+sweep continues). Prints each run, then per trainer and reference the true score gain over the SFT
+model interpolated at matched KL per token (each seed's points, then their mean), each variant's
+against ours on the same runs, and plots the gains against KL.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from rm_vs_trl import REPO, ensure_peer_venv, run
 TRL_PPO_VERSION = "1.12.0"
 TRL = f"TRL {TRL_PPO_VERSION}"
 MATCHED_KL = (0.05, 0.15, 0.3)
+BEST_OF_N, OPTIMUM = "best-of-n (SFT + RM)", "optimum of E[r]-b*KL (RM)"
 SAMPLES_PER_PROMPT, MINI_BATCHES, LR = 4, 2, 3e-4  # ds_configs/demo_ppo.json's
 
 
@@ -98,6 +102,28 @@ def measure(demo: Path, policy: Path) -> dict:
     return json.loads(line)
 
 
+def reference_points(demo: Path) -> str:
+    """bench/frontier_references.py's JSON lines: best-of-n and the KL-regularised optimum (from SFT samples)."""
+    out = run(
+        [
+            sys.executable,
+            "bench/frontier_references.py",
+            *("--sft", str(demo / "sft" / "model"), "--reward-model", str(demo / "rm" / "model")),
+            *("--prompts", str(demo / "data" / "prompts_validation.parquet")),
+        ],
+        PYTHONPATH=str(REPO),
+    )
+    return "".join(line + "\n" for line in out.splitlines() if line.startswith("{"))
+
+
+def reference_gains(lines: list[dict], sft_score: float) -> dict[str, list[tuple[float, float]]]:
+    """Per reference its (KL per token, true score gain over the SFT model) points."""
+    return {
+        label: sorted((p["kl_per_token"], p["score"] - sft_score) for p in lines if key in p)
+        for label, key in ((BEST_OF_N, "n"), (OPTIMUM, "beta"))
+    }
+
+
 def at_matched_kl(points: list[tuple[float, float]], kl: float) -> float | None:
     """The score at ``kl`` on the line through one seed's (KL, score) points; None outside them."""
     kls, scores = zip(*sorted(points))
@@ -117,9 +143,15 @@ def gain_cell(gains: list[float | None]) -> str:
     return f"{mean} [{'/'.join('-' if g is None else f'{g:.2f}' for g in gains)}]"
 
 
-def report(results: dict[str, dict[tuple[float, int], dict]], sft: dict, plot: Path | None) -> None:
-    """The runs, then the score gain over the SFT model at matched KL per token per trainer."""
-    print(f"SFT model: true score {sft['score']:.3f} +- {sft['score_stderr']:.3f}, {sft['response_tokens']:.1f} tokens")
+def report(
+    results: dict[str, dict[tuple[float, int], dict]],
+    sft: dict,
+    references: dict[str, list[tuple[float, float]]],
+    plot: Path | None,
+) -> None:
+    """The runs, then the score gain over the SFT model at matched KL per token per trainer, and
+    the references' (:func:`reference_gains`)."""
+    print(f"SFT model (the references' samples): true score {sft['score']:.3f}, {sft['response_tokens']:.1f} tokens")
     print(
         f"{'trainer':<28}{'kl_coef':>8}{'seed':>5}{'KL/token':>10}{'score':>8}{'gain/sqrt(KL)':>15}{'tokens':>8}{'min':>6}"
     )
@@ -135,6 +167,13 @@ def report(results: dict[str, dict[tuple[float, int], dict]], sft: dict, plot: P
     gains = {label: [matched_gains(runs, sft["score"], kl) for kl in MATCHED_KL] for label, runs in results.items()}
     for label, cells in gains.items():
         print(f"{label:<28}" + "".join(f"{gain_cell(g):>28}" for g in cells))
+    for label, curve in references.items():
+        ref = [[at_matched_kl([(0.0, 0.0), *curve], kl)] for kl in MATCHED_KL]
+        print(f"{label:<28}" + "".join(f"{gain_cell(g):>28}" for g in ref))
+        print(
+            f"{'ours / ' + label[:20]:<28}"
+            + "".join(f"{ratio_cell(o, r * len(o)):>28}" for o, r in zip(gains["ours"], ref))
+        )
     if TRL in gains:
         for label, cells in gains.items():
             if label != TRL:
@@ -145,11 +184,35 @@ def report(results: dict[str, dict[tuple[float, int], dict]], sft: dict, plot: P
                         for a, b in zip(cells, gains[TRL])
                     )
                 )
+    for label, runs in results.items():  # the ablations: each against ours on the same coefficients and seeds
+        if (
+            label not in ("ours", TRL)
+            and runs
+            and (base := {k: results["ours"][k] for k in runs if k in results["ours"]})
+        ):
+            ratios = [
+                ratio_cell(matched_gains(runs, sft["score"], kl), matched_gains(base, sft["score"], kl))
+                for kl in MATCHED_KL
+            ]
+            print(f"{label + ' / ours (same runs)':<28}" + "".join(f"{r:>28}" for r in ratios))
     if plot is not None:
-        plot_frontier(results, sft, plot)
+        plot_frontier(results, sft, references, plot)
 
 
-def plot_frontier(results: dict[str, dict[tuple[float, int], dict]], sft: dict, path: Path) -> None:
+def ratio_cell(gains: list[float | None], base: list[float | None]) -> str:
+    """``mean ratio [seed/seed/...]`` of two trainers' gains at one KL (the mean where every seed reaches it)."""
+    ratios = [None if a is None or b is None else a / b for a, b in zip(gains, base)]
+    known = [(a, b) for a, b in zip(gains, base) if a is not None and b is not None]
+    mean = f"{sum(a for a, _ in known) / sum(b for _, b in known):.3f}x" if None not in ratios else "-"
+    return f"{mean} [{'/'.join('-' if r is None else f'{r:.2f}' for r in ratios)}]"
+
+
+def plot_frontier(
+    results: dict[str, dict[tuple[float, int], dict]],
+    sft: dict,
+    references: dict[str, list[tuple[float, float]]],
+    path: Path,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -159,7 +222,7 @@ def plot_frontier(results: dict[str, dict[tuple[float, int], dict]], sft: dict, 
     for label, runs in results.items():
         points = ax.scatter(
             [r["kl_per_token"] for r in runs.values()],
-            [r["score"] for r in runs.values()],
+            [r["score"] - sft["score"] for r in runs.values()],
             s=12,
             alpha=0.5,
             label=label,
@@ -167,14 +230,16 @@ def plot_frontier(results: dict[str, dict[tuple[float, int], dict]], sft: dict, 
         means = sorted(  # per coefficient, the seeds' mean (KL, score), by KL, from the SFT model
             (
                 statistics.mean(r["kl_per_token"] for (c, _), r in runs.items() if c == coef),
-                statistics.mean(r["score"] for (c, _), r in runs.items() if c == coef),
+                statistics.mean(r["score"] - sft["score"] for (c, _), r in runs.items() if c == coef),
             )
             for coef in {c for c, _ in runs}
         )
-        ax.plot(*zip((0.0, sft["score"]), *means), color=points.get_facecolor()[0])
-    ax.scatter([0], [sft["score"]], marker="x", color="black", label="SFT model")
+        ax.plot(*zip((0.0, 0.0), *means), color=points.get_facecolor()[0])
+    for (label, curve), style in zip(references.items(), ("k--", "k:")):
+        ax.plot(*zip((0.0, 0.0), *curve), style, marker=".", linewidth=1, label=label)
+    ax.scatter([0], [0], marker="x", color="black", label="SFT model")
     ax.set_xlabel("KL per token to the SFT model (held-out samples)")
-    ax.set_ylabel("true score (the task's rule)")
+    ax.set_ylabel("true score gain over the SFT model")
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -217,10 +282,12 @@ def main() -> int:
                     result.write_text(json.dumps(measure(demo, policy) | {"train_s": train_s}))
                 if result.exists():
                     results[label][coef, seed] = json.loads(result.read_text())
-    sft_result = work / "sft.json"
-    if not sft_result.exists():
-        sft_result.write_text(json.dumps(measure(demo, demo / "sft" / "model")))
-    report(results, json.loads(sft_result.read_text()), Path(args.plot) if args.plot else None)
+    references = work / "references.jsonl"
+    if not references.exists():
+        references.write_text(reference_points(demo))
+    lines = [json.loads(line) for line in references.read_text().splitlines()]
+    sft = next(p for p in lines if p.get("n") == 1)  # best-of-1: the SFT model's samples
+    report(results, sft, reference_gains(lines, sft["score"]), Path(args.plot) if args.plot else None)
     return 0
 
 
