@@ -4,7 +4,8 @@ Model Overoptimization").
 
     python bench/frontier_references.py --sft DIR --reward-model DIR --prompts prompts_validation.parquet
                                        [--samples-per-prompt 128] [--ns 1 2 4 8 16 32 64 128]
-                                       [--betas 2 1 0.5 0.3 0.2 0.1 0.05] [--seed 0]
+                                       [--betas 2 1 0.5 0.3 0.2 0.1 0.05] [--ensemble DIR ...]
+                                       [--uncertainty-penalties 1.0] [--seed 0]
 
 Each held-out prompt gets M samples from the SFT model (bench/frontier_eval.py's sampling), scored
 by the reward model (its standardised weighted total, as PPO reads it) and by the task's rule. The
@@ -13,8 +14,10 @@ score is estimated without bias from the M samples: ranked by reward model score
 (0-based) is the best of a random n-subset with probability C(i, n-1) / C(M, n). Its KL to the SFT
 model is log(n) - (n-1)/n per response (Beirami et al. 2024: exact for distinct scores, an upper
 bound with ties), per token over the expected best-of-n response length. The optimum of PPO's
-objective at each KL coefficient beta comes from the same samples (:func:`tilted_point`). Prints
-one JSON line per n, then one per beta.
+objective at each KL coefficient beta comes from the same samples (:func:`tilted_point`). With
+``--ensemble`` (more reward models, e.g. trained with other seeds) both references are computed
+again ranking by the members' mean and by mean - lambda std (each member standardised). Prints one
+JSON line per reward, n and beta.
 """
 
 from __future__ import annotations
@@ -80,10 +83,25 @@ def tilted_point(rm: torch.Tensor, true: torch.Tensor, length: torch.Tensor, bet
     }
 
 
+def standardised_totals(path: str, messages: list, texts: list[str]) -> torch.Tensor:
+    """(B,) the reward model's weighted total, standardised with its reward_stats.json (as PPO reads it)."""
+    scorer = RewardModelScorer(
+        load_value_model(path).eval(),
+        load_tokenizer(path, "--reward-model"),
+        RewardModelSection(path=path),
+        max_tokens=4096,
+    )
+    return scorer.total(scorer.score(messages, texts))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sft", required=True, help="HF model directory of the SFT policy")
     parser.add_argument("--reward-model", required=True, help="reward model directory (train_rm.py's model/)")
+    parser.add_argument("--ensemble", nargs="*", default=[], help="more reward models: references of the members' mean")
+    parser.add_argument(
+        "--uncertainty-penalties", type=float, nargs="+", default=[1.0], help="lambda of mean - lambda std"
+    )
     parser.add_argument("--prompts", required=True, help="held-out prompts of the synthetic task (parquet)")
     parser.add_argument("--samples-per-prompt", type=int, default=128)
     parser.add_argument("--ns", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
@@ -105,21 +123,24 @@ def main() -> int:
     )
     texts = [str(tokenizer.decode(s.response_ids, skip_special_tokens=True)) for s in samples]
     messages = [p.messages for p in prompts for _ in range(m)]
-    scorer = RewardModelScorer(
-        load_value_model(args.reward_model).eval(),
-        load_tokenizer(args.reward_model, "--reward-model"),
-        RewardModelSection(path=args.reward_model),
-        max_tokens=4096,
-    )
-    rm = scorer.total(scorer.score(messages, texts)).view(len(prompts), m)
+    members = [
+        standardised_totals(path, messages, texts).view(len(prompts), m) for path in [args.reward_model, *args.ensemble]
+    ]
+    rewards = {"rm": members[0]}
+    if args.ensemble:
+        stacked = torch.stack(members)  # (K, P, M)
+        rewards[f"mean of {len(members)}"] = stacked.mean(0)
+        for penalty in args.uncertainty_penalties:  # uncertainty-weighted optimisation (Coste et al. 2023)
+            rewards[f"mean - {penalty:g} std of {len(members)}"] = stacked.mean(0) - penalty * stacked.std(0)
     true = torch.tensor([total_score(t, prompt_topic(p[-1]["content"])) for t, p in zip(texts, messages)]).view(
         len(prompts), m
     )
     length = torch.tensor([len(s.response_ids) for s in samples]).view(len(prompts), m)
-    for n in args.ns:
-        print(json.dumps(best_of_n_point(rm, true, length, n)))
-    for beta in args.betas:
-        print(json.dumps(tilted_point(rm, true, length, beta)))
+    for name, rm in rewards.items():
+        for n in args.ns:
+            print(json.dumps({"reward": name} | best_of_n_point(rm, true, length, n)))
+        for beta in args.betas:
+            print(json.dumps({"reward": name} | tilted_point(rm, true, length, beta)))
     return 0
 
 

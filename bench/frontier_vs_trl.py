@@ -102,14 +102,16 @@ def measure(demo: Path, policy: Path) -> dict:
     return json.loads(line)
 
 
-def reference_points(demo: Path) -> str:
-    """bench/frontier_references.py's JSON lines: best-of-n and the KL-regularised optimum (from SFT samples)."""
+def reference_points(demo: Path, ensemble: list[str]) -> str:
+    """bench/frontier_references.py's JSON lines: best-of-n and the KL-regularised optimum (from SFT
+    samples), by the reward model and, with ``ensemble`` (more reward models), by the members' mean."""
     out = run(
         [
             sys.executable,
             "bench/frontier_references.py",
             *("--sft", str(demo / "sft" / "model"), "--reward-model", str(demo / "rm" / "model")),
             *("--prompts", str(demo / "data" / "prompts_validation.parquet")),
+            *(["--ensemble", *ensemble] if ensemble else []),
         ],
         PYTHONPATH=str(REPO),
     )
@@ -117,9 +119,13 @@ def reference_points(demo: Path) -> str:
 
 
 def reference_gains(lines: list[dict], sft_score: float) -> dict[str, list[tuple[float, float]]]:
-    """Per reference its (KL per token, true score gain over the SFT model) points."""
+    """Per reference its (KL per token, true score gain over the SFT model) points: the reward model's
+    first (BEST_OF_N, OPTIMUM), then the ensemble's."""
     return {
-        label: sorted((p["kl_per_token"], p["score"] - sft_score) for p in lines if key in p)
+        label if reward == "rm" else f"{label.split(' (')[0]} ({reward})": sorted(
+            (p["kl_per_token"], p["score"] - sft_score) for p in lines if key in p and p["reward"] == reward
+        )
+        for reward in dict.fromkeys(p["reward"] for p in lines)
         for label, key in ((BEST_OF_N, "n"), (OPTIMUM, "beta"))
     }
 
@@ -235,7 +241,7 @@ def plot_frontier(
             for coef in {c for c, _ in runs}
         )
         ax.plot(*zip((0.0, 0.0), *means), color=points.get_facecolor()[0])
-    for (label, curve), style in zip(references.items(), ("k--", "k:")):
+    for (label, curve), style in zip(references.items(), ("k--", "k:")):  # the reward model's
         ax.plot(*zip((0.0, 0.0), *curve), style, marker=".", linewidth=1, label=label)
     ax.scatter([0], [0], marker="x", color="black", label="SFT model")
     ax.set_xlabel("KL per token to the SFT model (held-out samples)")
@@ -257,6 +263,7 @@ def main() -> int:
     parser.add_argument("--no-trl", action="store_true", help="run none of TRL's (its kept runs are reported)")
     parser.add_argument("--report-only", action="store_true", help="run nothing: report the kept runs")
     parser.add_argument("--plot", help="write the score-KL plot here (.png)")
+    parser.add_argument("--rm-ensemble", nargs="+", default=[], help="more reward models for the references")
     parser.add_argument("--peer-venv", default=str(REPO / "bench" / ".peer-trl112"))
     args = parser.parse_args()
     work = Path(args.work).resolve()
@@ -282,9 +289,9 @@ def main() -> int:
                     result.write_text(json.dumps(measure(demo, policy) | {"train_s": train_s}))
                 if result.exists():
                     results[label][coef, seed] = json.loads(result.read_text())
-    references = work / "references.jsonl"
+    references = work / f"references{'-ensemble' + str(len(args.rm_ensemble) + 1) if args.rm_ensemble else ''}.jsonl"
     if not references.exists():
-        references.write_text(reference_points(demo))
+        references.write_text(reference_points(demo, args.rm_ensemble))
     lines = [json.loads(line) for line in references.read_text().splitlines()]
     sft = next(p for p in lines if p.get("n") == 1)  # best-of-1: the SFT model's samples
     report(results, sft, reference_gains(lines, sft["score"]), Path(args.plot) if args.plot else None)
