@@ -16,8 +16,8 @@ model is log(n) - (n-1)/n per response (Beirami et al. 2024: exact for distinct 
 bound with ties), per token over the expected best-of-n response length. The optimum of PPO's
 objective at each KL coefficient beta comes from the same samples (:func:`tilted_point`). With
 ``--ensemble`` (more reward models, e.g. trained with other seeds) both references are computed
-again ranking by the members' mean and by mean - lambda std (each member standardised). Prints one
-JSON line per reward, n and beta.
+again for each member alone, the members' mean and their mean - lambda std (each standardised).
+Prints one JSON line per reward, n and beta.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def main() -> int:
     members = [
         standardised_totals(path, messages, texts).view(len(prompts), m) for path in [args.reward_model, *args.ensemble]
     ]
-    rewards = {"rm": members[0]}
+    rewards = {"rm": members[0]} | {f"member {k + 1}": r for k, r in enumerate(members[1:], start=1)}
     if args.ensemble:
         stacked = torch.stack(members)  # (K, P, M)
         rewards[f"mean of {len(members)}"] = stacked.mean(0)
