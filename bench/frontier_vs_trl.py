@@ -44,7 +44,6 @@ from rm_vs_trl import REPO, ensure_peer_venv, run
 TRL_PPO_VERSION = "1.12.0"
 TRL = f"TRL {TRL_PPO_VERSION}"
 MATCHED_KL = (0.05, 0.15, 0.3)
-BEST_OF_N, OPTIMUM = "best-of-n (SFT + RM)", "optimum of E[r]-b*KL (RM)"
 SAMPLES_PER_PROMPT, MINI_BATCHES, LR = 4, 2, 3e-4  # ds_configs/demo_ppo.json's
 
 
@@ -119,14 +118,14 @@ def reference_points(demo: Path, ensemble: list[str]) -> str:
 
 
 def reference_gains(lines: list[dict], sft_score: float) -> dict[str, list[tuple[float, float]]]:
-    """Per reference its (KL per token, true score gain over the SFT model) points: the reward model's
-    first (BEST_OF_N, OPTIMUM), then the ensemble's."""
+    """Per reference, "best-of-n (<reward>)" and "KL-regularised optimum (<reward>)", its (KL per token,
+    true score gain over the SFT model) points: the reward model's ("rm") first, then the ensemble's."""
     return {
-        label if reward == "rm" else f"{label.split(' (')[0]} ({reward})": sorted(
+        f"{kind} ({reward})": sorted(
             (p["kl_per_token"], p["score"] - sft_score) for p in lines if key in p and p["reward"] == reward
         )
         for reward in dict.fromkeys(p["reward"] for p in lines)
-        for label, key in ((BEST_OF_N, "n"), (OPTIMUM, "beta"))
+        for kind, key in (("best-of-n", "n"), ("KL-regularised optimum", "beta"))
     }
 
 
@@ -159,32 +158,31 @@ def report(
     the references' (:func:`reference_gains`)."""
     print(f"SFT model (the references' samples): true score {sft['score']:.3f}, {sft['response_tokens']:.1f} tokens")
     print(
-        f"{'trainer':<28}{'kl_coef':>8}{'seed':>5}{'KL/token':>10}{'score':>8}{'gain/sqrt(KL)':>15}{'tokens':>8}{'min':>6}"
+        f"{'trainer':<40}{'kl_coef':>8}{'seed':>5}{'KL/token':>10}{'score':>8}{'gain/sqrt(KL)':>15}{'tokens':>8}{'min':>6}"
     )
     for label, runs in results.items():
         for (coef, seed), r in sorted(runs.items()):
             gain = (r["score"] - sft["score"]) / max(r["kl_per_token"], 1e-9) ** 0.5
             print(
-                f"{label:<28}{coef:>8g}{seed:>5}{r['kl_per_token']:>10.4f}{r['score']:>8.3f}{gain:>15.2f}"
+                f"{label:<40}{coef:>8g}{seed:>5}{r['kl_per_token']:>10.4f}{r['score']:>8.3f}{gain:>15.2f}"
                 f"{r['response_tokens']:>8.1f}{r['train_s'] / 60:>6.1f}"
             )
     print("true score gain over the SFT model at matched KL per token: mean of seeds [each seed]")
-    print(f"{'trainer':<28}" + "".join(f"{'KL ' + str(kl):>28}" for kl in MATCHED_KL))
+    print(f"{'trainer':<40}" + "".join(f"{'KL ' + str(kl):>28}" for kl in MATCHED_KL))
     gains = {label: [matched_gains(runs, sft["score"], kl) for kl in MATCHED_KL] for label, runs in results.items()}
     for label, cells in gains.items():
-        print(f"{label:<28}" + "".join(f"{gain_cell(g):>28}" for g in cells))
+        print(f"{label:<40}" + "".join(f"{gain_cell(g):>28}" for g in cells))
     for label, curve in references.items():
         ref = [[at_matched_kl([(0.0, 0.0), *curve], kl)] for kl in MATCHED_KL]
-        print(f"{label:<28}" + "".join(f"{gain_cell(g):>28}" for g in ref))
+        print(f"{label:<40}" + "".join(f"{gain_cell(g):>28}" for g in ref))
         print(
-            f"{'ours / ' + label[:20]:<28}"
-            + "".join(f"{ratio_cell(o, r * len(o)):>28}" for o, r in zip(gains["ours"], ref))
+            f"{'ours / ' + label:<40}" + "".join(f"{ratio_cell(o, r * len(o)):>28}" for o, r in zip(gains["ours"], ref))
         )
     if TRL in gains:
         for label, cells in gains.items():
             if label != TRL:
                 print(
-                    f"{label + ' / TRL':<28}"
+                    f"{label + ' / TRL':<40}"
                     + "".join(
                         f"{f'{statistics.mean(a) / statistics.mean(b):.3f}x' if None not in a + b else '-':>28}"
                         for a, b in zip(cells, gains[TRL])
@@ -200,7 +198,7 @@ def report(
                 ratio_cell(matched_gains(runs, sft["score"], kl), matched_gains(base, sft["score"], kl))
                 for kl in MATCHED_KL
             ]
-            print(f"{label + ' / ours (same runs)':<28}" + "".join(f"{r:>28}" for r in ratios))
+            print(f"{label + ' / ours (same runs)':<40}" + "".join(f"{r:>28}" for r in ratios))
     if plot is not None:
         plot_frontier(results, sft, references, plot)
 
