@@ -156,6 +156,7 @@ def report(
 ) -> None:
     """The runs, then the score gain over the SFT model at matched KL per token per trainer, and
     the references' (:func:`reference_gains`)."""
+    results = {label: runs for label, runs in results.items() if runs}  # a trainer not run: no row
     print(f"SFT model (the references' samples): true score {sft['score']:.3f}, {sft['response_tokens']:.1f} tokens")
     print(
         f"{'trainer':<40}{'kl_coef':>8}{'seed':>5}{'KL/token':>10}{'score':>8}{'gain/sqrt(KL)':>15}{'tokens':>8}{'min':>6}"
