@@ -176,24 +176,15 @@ def report(
     for label, curve in references.items():
         ref = [[at_matched_kl([(0.0, 0.0), *curve], kl)] for kl in MATCHED_KL]
         print(f"{label:<40}" + "".join(f"{gain_cell(g):>28}" for g in ref))
-        print(
-            f"{'ours / ' + label:<40}" + "".join(f"{ratio_cell(o, r * len(o)):>28}" for o, r in zip(gains["ours"], ref))
-        )
-    if TRL in gains:
-        for label, cells in gains.items():
-            if label != TRL:
-                print(
-                    f"{label + ' / TRL':<40}"
-                    + "".join(
-                        f"{f'{statistics.mean(a) / statistics.mean(b):.3f}x' if None not in a + b else '-':>28}"
-                        for a, b in zip(cells, gains[TRL])
-                    )
-                )
+        if "ours" in gains:
+            cells = [ratio_cell(o, r * len(o)) for o, r in zip(gains["ours"], ref)]
+            print(f"{'ours / ' + label:<40}" + "".join(f"{c:>28}" for c in cells))
+    for label, cells in gains.items():  # each trainer against TRL, seed by seed
+        if TRL in gains and label != TRL:
+            print(f"{label + ' / TRL':<40}" + "".join(f"{ratio_cell(a, b):>28}" for a, b in zip(cells, gains[TRL])))
     for label, runs in results.items():  # the ablations: each against ours on the same coefficients and seeds
-        if (
-            label not in ("ours", TRL)
-            and runs
-            and (base := {k: results["ours"][k] for k in runs if k in results["ours"]})
+        if label not in ("ours", TRL) and (
+            base := {k: results["ours"][k] for k in runs if k in results.get("ours", {})}
         ):
             ratios = [
                 ratio_cell(matched_gains(runs, sft["score"], kl), matched_gains(base, sft["score"], kl))
