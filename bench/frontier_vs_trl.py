@@ -179,9 +179,12 @@ def report(
         if "ours" in gains:
             cells = [ratio_cell(o, r * len(o)) for o, r in zip(gains["ours"], ref)]
             print(f"{'ours / ' + label:<40}" + "".join(f"{c:>28}" for c in cells))
-    for label, cells in gains.items():  # each trainer against TRL, seed by seed
-        if TRL in gains and label != TRL:
-            print(f"{label + ' / TRL':<40}" + "".join(f"{ratio_cell(a, b):>28}" for a, b in zip(cells, gains[TRL])))
+    for label, runs in results.items():  # each trainer against TRL on the same seeds, seed by seed
+        if label != TRL and (base := {k: r for k, r in results.get(TRL, {}).items() if k[1] in {s for _, s in runs}}):
+            ratios = [
+                ratio_cell(gains[label][i], matched_gains(base, sft["score"], kl)) for i, kl in enumerate(MATCHED_KL)
+            ]
+            print(f"{label + ' / TRL':<40}" + "".join(f"{r:>28}" for r in ratios))
     for label, runs in results.items():  # the ablations: each against ours on the same coefficients and seeds
         if label not in ("ours", TRL) and (
             base := {k: results["ours"][k] for k in runs if k in results.get("ours", {})}
