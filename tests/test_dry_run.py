@@ -61,6 +61,8 @@ def test_ppo_dry_run_counts_four_models_and_writes_nothing(tiny_model_dir, rm_ru
         line = next(line for line in out.splitlines() if line.strip().startswith(name))
         assert kind in line, line
     assert "vLLM sampler" in out
+    # trained from the actor's model: its tokenizer and template, so it reads the sampled ids (demo ChatML: no change)
+    assert "reward_model reads the sampled token ids (it shares the actor's tokenizer and chat template)\n" in out
     # the total per device (vLLM: 40% of the given 0.5 GiB, asleep while training) and the verdict
     assert re.search(r"per device: .* \+ activations 0\.\d\d \+ vLLM 0\.20 GiB; peak 0\.\d\d GiB \(vLLM sleeps", out), (
         out

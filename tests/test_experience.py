@@ -18,7 +18,7 @@ from engine.ppo.collect import Rollout
 from engine.ppo.engines import HybridEngine
 from engine.ppo.experience import OldLogprobSource, make_experience
 from engine.ppo.forwards import micro_batches, response_values
-from engine.ppo.rewards import RewardModelScorer, RewardScorer
+from engine.ppo.rewards import RewardModelScorer, RewardScorer, SampledResponses
 from engine.ppo.settings import ExperienceSettings, GaeSettings
 from engine.rollout.sampler import Sample
 from engine.run_config.rewards import RewardModelSection, RewardsSection
@@ -62,7 +62,7 @@ def samples(vocab: int) -> list[Sample]:
 
 
 def scored(batch: list[Sample], prompts: list[Prompt], scorer, tokenizer) -> Rollout:
-    return Rollout(batch, prompts, *scorer.score_samples(batch, prompts, tokenizer))
+    return Rollout(batch, prompts, *scorer.score(SampledResponses.decode(prompts, batch, tokenizer)))
 
 
 def grouped_samples(vocab: int) -> list[Sample]:
@@ -91,8 +91,7 @@ def test_make_experience_equals_naive_padded_forwards(process_group, models):
     )
     T = max(RESPONSE_LENS)
     assert exp.mask.shape == (4, T) and exp.mask.sum(1).tolist() == RESPONSE_LENS
-    texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in batch]
-    scores = scorer.score([p.messages for p in prompts], texts, [True] * 4, RESPONSE_LENS, [{}] * 4)[0]
+    scores = scorer.score(SampledResponses.decode(prompts, batch, tokenizer))[0]
     torch.testing.assert_close(exp.scores, scores)
     for i, s in enumerate(batch):
         seq, p, r = torch.tensor([s.prompt_ids + s.response_ids]), len(s.prompt_ids), len(s.response_ids)

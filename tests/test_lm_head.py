@@ -1,5 +1,6 @@
 """The chunked LM head (engine/data/lm_head.py) equals the whole-matrix computation: log-probs,
-entropy and the gradients of both, with tied and untied embeddings, bare and with LoRA adapters."""
+entropy and the gradients of both, with tied and untied embeddings, bare and with LoRA adapters, at
+a sampling temperature."""
 
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ def tiny_llama(tied: bool) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).float()
 
 
-def whole_matrix(model, packed, positions, targets):
-    """Today's computation before chunking: the (K, V) logits, their log-softmax and entropy."""
-    logp = torch.log_softmax(packed_forward(model, packed, logits_positions=positions)[0].float(), -1)
+def whole_matrix(model, packed, positions, targets, temperature: float = 1.0):
+    """Today's computation before chunking: the (K, V) logits / temperature, their log-softmax and entropy."""
+    logp = torch.log_softmax(packed_forward(model, packed, logits_positions=positions)[0].float() / temperature, -1)
     return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
 
@@ -58,11 +59,12 @@ def test_chunked_head_equals_the_whole_matrix_with_gradients(tied, lora, monkeyp
         trained = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         return logp.detach(), entropy.detach(), trained
 
-    for entropy_grad in (True, False):
+    for entropy_grad, t in ((True, 0.6), (True, 1.0), (False, 1.0)):  # t: a rollout's sampling temperature
         chunked = gradients(
-            lambda grad: lm_head.token_logprobs(model, packed, positions, targets, True, grad), entropy_grad
+            lambda grad: lm_head.token_logprobs(model, packed, positions, targets, True, grad, temperature=t),  # noqa: B023
+            entropy_grad,
         )
-        whole = gradients(lambda _: whole_matrix(model, packed, positions, targets), entropy_grad)
+        whole = gradients(lambda _: whole_matrix(model, packed, positions, targets, t), entropy_grad)  # noqa: B023
         torch.testing.assert_close(chunked[0], whole[0], atol=1e-6, rtol=0)
         torch.testing.assert_close(chunked[1], whole[1], atol=1e-6, rtol=1e-6)  # entropy ~ log 300
         assert chunked[2].keys() == whole[2].keys() and (lora or "lm_head.weight" in chunked[2] or tied)

@@ -12,10 +12,11 @@ import torch
 from transformers import AutoTokenizer
 
 from engine.models.loading import load_value_model
-from engine.ppo.rewards import RewardModelScorer, RewardScorer
+from engine.ppo.rewards import RewardModelScorer, RewardScorer, SampledResponses
 from engine.rewards.components import RewardComponents, RewardsConfigError, RewardsUnavailable
 from engine.rewards.pool import Call, RewardPool
 from engine.rewards.verifiers import final_answer, length_penalty, math_reward
+from engine.rollout.sampler import Sample
 from engine.run_config.rewards import RewardModelSection, RewardsSection
 
 USER_FUNCTIONS = """
@@ -94,11 +95,11 @@ def test_scorer_combines_rm_components_and_penalties(process_group, rm_run, user
     responses.append("```python\ndef f(x):\n    return x * x\n```")
     finished, tokens = [True, True, False, True], [6, 12, 6, 9]
     fields = [{"answer": "3", "tests": ["assert f(2) == 4", "assert f(3) == 9", "assert f(1) == 2"]}] * 4
+    # Scorers without the policy's tokenizer read the texts; the samples carry the lengths and whether each finished.
+    batch = SampledResponses(prompts, [Sample([], [0] * n, [], f) for n, f in zip(tokens, finished)], responses, fields)
 
     raw_rm = RewardModelScorer(rm, tok, RewardModelSection(path=model_dir, normalize=False), 512)
-    raw, parts = RewardScorer(raw_rm, None, RewardsSection(clip=100.0)).score(
-        prompts, responses, finished, tokens, fields
-    )
+    raw, parts = RewardScorer(raw_rm, None, RewardsSection(clip=100.0)).score(batch)
     # The RM's total is the weighted sum of its heads, with the weights saved by train_rm.py.
     weights = torch.tensor([stats["weights"]["helpful"], stats["weights"]["harmless"]])
     torch.testing.assert_close(
@@ -129,7 +130,7 @@ def test_scorer_combines_rm_components_and_penalties(process_group, rm_run, user
     rm_half = RewardModelScorer(rm, tok, RewardModelSection(path=model_dir, weight=0.5), 512)
     scorer = RewardScorer(rm_half, components, rewards)
     try:
-        score, parts = scorer.score(prompts, responses, finished, tokens, fields)
+        score, parts = scorer.score(batch)
         expected = {
             "reward/math": [0.0, 1.0, 0.0, 0.0],
             "reward/code": [0.0, 0.0, 0.0, 2 / 3],  # the code passes two of the row's three tests
@@ -160,9 +161,9 @@ def test_scorer_combines_rm_components_and_penalties(process_group, rm_run, user
         # More failures than rewards.max_failure_share: the run must stop, naming the function and its error.
         scorer.rewards = rewards.model_copy(update={"max_failure_share": 0.2})
         with pytest.raises(RewardsUnavailable, match=r"(?s)'picky' failed on 25% .*I do not score rude answers"):
-            scorer.score(prompts, responses, finished, tokens, fields)
+            scorer.score(batch)
         clipped = RewardScorer(rm_half, None, RewardsSection(clip=0.1))
-        assert clipped.score(prompts, responses, finished, tokens, fields)[0].abs().max() <= 0.1 + 1e-6
+        assert clipped.score(batch)[0].abs().max() <= 0.1 + 1e-6
     finally:
         scorer.close()
 

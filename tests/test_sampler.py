@@ -44,3 +44,17 @@ def test_hf_sampler_greedy_equals_a_naive_loop_and_sampling_follows_the_request_
     assert sampler.generate(prompts, settings, request_seed=7) == first
     assert sampler.generate(prompts, settings, request_seed=8) != first
     assert all(len(group) == 4 for group in first) and len({tuple(s.response_ids) for s in first[1]}) > 1
+
+
+def test_stale_tensor_parallel_shared_memory_is_removed_and_live_is_kept(process_group, tmp_path):
+    """engine/rollout/cpu_shm.py: a segment a live process maps stays, one a killed engine left goes."""
+    import mmap
+
+    from engine.rollout.cpu_shm import remove_stale_segments
+
+    live, stale, other = (tmp_path / name for name in ("-tp:0-[0-1]-cpushm_0", "-tp:0-[0-1]-cpushm_1", "data"))
+    for path in (live, stale, other):
+        path.write_bytes(b"\0" * 4096)
+    with live.open("r+b") as f, mmap.mmap(f.fileno(), 4096):  # as the running engine holds its segment
+        assert remove_stale_segments(tmp_path) == [stale]
+        assert live.exists() and not stale.exists() and other.exists()

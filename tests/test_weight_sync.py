@@ -49,6 +49,8 @@ def test_vllm_greedy_follows_the_actor_after_each_sync(
         assert r["actor_changed"], "the update must change the actor's greedy output"
         assert not r["stale_equal"], "without a sync vLLM still answers with the old weights"
         assert r["after_equal"], "after the bucketed sync vLLM greedy equals the actor's"
+        for sampler in ("vllm", "hf"):  # at T 0.6 both report the tempered log-probs the actor computes
+            assert r[f"tempered_gap_{sampler}"] < 1e-5 and r[f"tempered_gap_plain_{sampler}"] < 1e-5, r
         assert r["rng_preserved"], "starting vLLM must not touch the trainer's RNG stream"
         if lora_rank:
             assert r["reference_is_start"], "the actor with its adapters disabled is the untrained model"

@@ -21,6 +21,8 @@ import os
 import time
 from functools import partial
 
+import torch
+
 from engine.config import config_to_dict
 from engine.data.errors import DataFileError
 from engine.models.deepspeed_glue import describe_engine, save_hf_model, training_ds_config
@@ -28,7 +30,8 @@ from engine.ppo.collect import RolloutCollector
 from engine.ppo.engines import HybridEngine, build_hybrid_engine, build_sampler, build_scorers, critic_value_weights
 from engine.ppo.evaluation import HeldOutEvaluator, held_out_eval, held_out_summary
 from engine.ppo.experience import OldLogprobSource, make_experience
-from engine.ppo.inputs import check_models, load_fitting_prompts, reward_components
+from engine.ppo.forwards import sequence_logprobs
+from engine.ppo.inputs import check_models, load_fitting_prompts, reward_components, reward_model_inputs
 from engine.ppo.losses import AdaptiveKLController, FixedKLController
 from engine.ppo.monitors import HackingMonitor, MonitorLimits, act_on_flags
 from engine.ppo.settings import ExperienceSettings, UpdateSettings
@@ -72,10 +75,10 @@ def ppo_iteration(
     )
     if isinstance(sampler, RemoteSampler) and iteration % sampler.check_every == 0:
         k = min(SYNC_CHECK_SEQUENCES, len(exp.sequences))
-        lengths = [len(s) - n for s, n in zip(exp.sequences[:k], exp.prompt_lens[:k])]
-        sampler.ask_sync_check(
-            exp.sequences[:k], exp.prompt_lens[:k], [exp.old_logprobs[i, : lengths[i]] for i in range(k)]
-        )
+        checked = exp.sequences[:k], exp.prompt_lens[:k]  # vLLM re-scores them untempered (prompt log-probs)
+        forward = (experience.max_tokens, pad_token_id, experience.share_prompts)
+        with torch.no_grad():
+            sampler.ask_sync_check(*checked, sequence_logprobs(engines.actor, *checked, *forward))
     t2 = time.perf_counter()
     train_stats = update_on_rollout(
         engines.actor, engines.critic, exp, update, iteration=iteration, train_actor=train_actor, after_step=after_step
@@ -125,9 +128,10 @@ def main() -> int:
             f"{cfg.rollout.prompts_per_iteration}"
         )
     components = reward_components(cfg)
+    reading = reward_model_inputs(tokenizers, prompts[0].messages)
     if run_args.dry_run:
         return (
-            ppo_plan(cfg, prompts, eval_prompts, tokenizer, ds_config, world, run_args.device_memory_gib)
+            ppo_plan(cfg, prompts, eval_prompts, tokenizer, ds_config, world, run_args.device_memory_gib, reading)
             if rank == 0
             else 0
         )
@@ -212,6 +216,7 @@ def main() -> int:
                 else ""
             )
             + (f", resumed at iteration {run.step} from {run.resume_from}" if run.resume_from else "")
+            + "".join(f"\n{line}" for line in reading)
         )
     evaluator = (
         HeldOutEvaluator(

@@ -29,10 +29,16 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def _chunk_logprobs(
-    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, with_entropy: bool, entropy_grad: bool
+    head: torch.nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    with_entropy: bool,
+    entropy_grad: bool,
+    temperature: float,
 ) -> torch.Tensor:
-    """(C, H) hidden states, (C,) token ids -> (C, 1) log p(target), or (C, 2) with the entropy."""
-    logits = head(hidden).float()  # (C, V)
+    """(C, H) hidden states, (C,) token ids -> (C, 1) log p(target), or (C, 2) with the entropy, of
+    softmax(logits / temperature)."""
+    logits = head(hidden).float() / temperature  # (C, V)
     lse = torch.logsumexp(logits, dim=-1)
     logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
     if not with_entropy:
@@ -49,18 +55,23 @@ def head_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     chunk: int = HEAD_CHUNK,
+    *,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(K, H) final hidden states and (K,) target ids -> (K,) log p(target) and (K,) entropy (or
-    None), float32 on the hidden states' device, ``chunk`` positions at a time. Differentiable in
+    None) of the distribution sampled at ``temperature`` (softmax of the logits / temperature),
+    float32 on the hidden states' device, ``chunk`` positions at a time. Differentiable in
     ``hidden`` and the head's weights; the entropy is detached unless ``entropy_grad``."""
     targets = targets.to(hidden.device)
     recompute = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
     parts = []
     for h, t in zip(hidden.split(chunk), targets.split(chunk)):
         if recompute:
-            parts.append(checkpoint(_chunk_logprobs, head, h, t, with_entropy, entropy_grad, use_reentrant=False))
+            parts.append(
+                checkpoint(_chunk_logprobs, head, h, t, with_entropy, entropy_grad, temperature, use_reentrant=False)
+            )
         else:
-            parts.append(_chunk_logprobs(head, h, t, with_entropy, entropy_grad))
+            parts.append(_chunk_logprobs(head, h, t, with_entropy, entropy_grad, temperature))
     stats = torch.cat(parts) if parts else hidden.new_zeros(0, 2 if with_entropy else 1, dtype=torch.float32)
     if not with_entropy:
         return stats[:, 0], None
@@ -68,9 +79,11 @@ def head_logprobs(
 
 
 def _whole_matrix_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool, entropy_grad: bool
+    logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool, entropy_grad: bool, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return head_logprobs(torch.nn.Identity(), logits, targets, with_entropy, entropy_grad, chunk=max(len(logits), 1))
+    return head_logprobs(
+        torch.nn.Identity(), logits, targets, with_entropy, entropy_grad, max(len(logits), 1), temperature=temperature
+    )
 
 
 def token_logprobs(
@@ -80,14 +93,16 @@ def token_logprobs(
     targets: torch.Tensor,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A causal LM (bare, PEFT-wrapped or in a DeepSpeed engine) on a packed row: (K,) log p of
     ``targets`` predicted at row ``positions`` and (K,) the entropy there (or None), float32 on
-    the model's device, the head run in chunks (:func:`head_logprobs`)."""
+    the model's device, the head run in chunks (:func:`head_logprobs`), of the distribution
+    sampled at ``temperature``."""
     hf_model = cast(PreTrainedModel, getattr(model, "module", model))
     if any(getattr(hf_model.config, name, None) for name in LOGIT_TRANSFORMS):
         logits = packed_forward(model, packed, logits_positions=positions)[0]  # (K, V)
-        return _whole_matrix_logprobs(logits, targets, with_entropy, entropy_grad)
+        return _whole_matrix_logprobs(logits, targets, with_entropy, entropy_grad, temperature)
     head = hf_model.get_output_embeddings()
     kept: list[torch.Tensor] = []
 
@@ -100,4 +115,4 @@ def token_logprobs(
         packed_forward(model, packed, logits_positions=positions)
     finally:
         hook.remove()
-    return head_logprobs(head, kept[0][0], targets, with_entropy, entropy_grad, HEAD_CHUNK)
+    return head_logprobs(head, kept[0][0], targets, with_entropy, entropy_grad, HEAD_CHUNK, temperature=temperature)

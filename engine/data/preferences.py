@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from engine.data.chat import tokenize_pairs
+from engine.data.chat import TemplateMismatch, check_closings, tokenize_pairs
 from engine.data.errors import DataFileError, read_parquet
 from engine.data.packing import PackedBatch, pack_sequences, pack_shared
 
@@ -57,9 +57,13 @@ def load_preferences(
     for start in range(0, len(rows), chunk):
         part = rows[start : start + chunk]
         prompts = [r["prompt"] for r in part] * 2
-        prompt_ids, full = tokenize_pairs(
-            tokenizer, prompts, [r["chosen"] for r in part] + [r["rejected"] for r in part]
-        )
+        try:
+            prompt_ids, full = tokenize_pairs(
+                tokenizer, prompts, [r["chosen"] for r in part] + [r["rejected"] for r in part]
+            )
+            check_closings(tokenizer, full)
+        except TemplateMismatch as e:
+            raise DataFileError(f"{path}: row {start + e.index % len(part)}: {e}") from None
         for i, r in enumerate(part):
             labels = dict(r["components"] or [])
             examples.append(

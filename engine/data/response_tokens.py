@@ -66,9 +66,15 @@ def response_log_softmax(model, packed: PackedBatch, prompt_lens: Sequence[int])
 
 
 def response_logprobs(
-    model, packed: PackedBatch, prompt_lens: Sequence[int], with_entropy: bool = False, entropy_grad: bool = False
+    model,
+    packed: PackedBatch,
+    prompt_lens: Sequence[int],
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    temperature: float = 1.0,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-    """Log-prob (and policy entropy) of each response token: one (R_i,) tensor per sequence.
+    """Log-prob (and policy entropy) of each response token: one (R_i,) tensor per sequence, under
+    the distribution sampled at ``temperature`` (the rollout's: the one the responses came from).
 
     The LM head runs on the response-predicting positions only, in chunks
     (:func:`engine.data.lm_head.token_logprobs`: no (K, V) logits of the whole micro-batch). The
@@ -79,6 +85,6 @@ def response_logprobs(
     """
     positions, targets, lengths = response_positions(packed, prompt_lens)
     logprobs, entropy = token_logprobs(
-        model, packed, positions, packed.input_ids[0, targets], with_entropy, entropy_grad
+        model, packed, positions, packed.input_ids[0, targets], with_entropy, entropy_grad, temperature
     )  # (K,) each
     return list(logprobs.cpu().split(lengths)), None if entropy is None else list(entropy.cpu().split(lengths))

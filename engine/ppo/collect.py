@@ -20,6 +20,7 @@ import torch
 
 from engine.data.batching import epoch_order
 from engine.data.chat import prompt_ids
+from engine.ppo.rewards import SampledResponses
 from engine.rollout.sampler import Generated, Sample, SamplingSettings
 from engine.run.distributed import all_reduce
 
@@ -164,17 +165,16 @@ class RolloutCollector:
         last = draw + self.ahead if self.last_draw is None else min(draw + self.ahead, self.last_draw)
         for d in range(draw, last + 1):
             if d not in self.asked:
-                prompts = [prompt_ids(self.tokenizer, self.prompts[i].messages) for i in self._indices(d)]
-                self.asked[d] = (self.sampler.submit(prompts, self.sampling, d * self.world + self.rank), draw)
+                ids = [prompt_ids(self.tokenizer, self.prompts[i].messages) for i in self._indices(d)]
+                self.asked[d] = (self.sampler.submit(ids, self.sampling, d * self.world + self.rank), draw)
         generation, asked_at = self.asked.pop(draw)
         groups, generate_s = generation.result()
         self.sampler.sleep()  # GPU: its memory goes to the scoring, experience forwards and training
         t1 = time.perf_counter()
         indices = self._indices(draw)
         samples = [s for group in groups for s in group]
-        scores, parts = self.scorer.score_samples(
-            samples, [self.prompts[i] for i, group in zip(indices, groups) for _ in group], self.tokenizer
-        )
+        prompts = [self.prompts[i] for i, group in zip(indices, groups) for _ in group]
+        scores, parts = self.scorer.score(SampledResponses.decode(prompts, samples, self.tokenizer))
         timing["generate_s"] += generate_s
         timing["wait_s"] += t1 - t0
         timing["score_s"] += time.perf_counter() - t1

@@ -143,7 +143,9 @@ def build_scorers(
         (cfg.judge.rewards, cfg.judge.reward_model, engines.judge, tokenizers.judge, components[1]),
     ):
         rm_scorer = (
-            RewardModelScorer(rm_engine, tokenizer, rm, cfg.ppo.max_tokens_per_micro_batch, cfg.ppo.share_prompt)
+            RewardModelScorer(
+                rm_engine, tokenizer, rm, cfg.ppo.max_tokens_per_micro_batch, cfg.ppo.share_prompt, tokenizers.actor
+            )
             if rm is not None and tokenizer is not None
             else None
         )

@@ -24,7 +24,7 @@ from engine.data.prompts import Prompt
 from engine.models.lora import adapters_disabled
 from engine.ppo.forwards import sequence_logprobs
 from engine.ppo.monitors import distinct_share, repeated_ngrams
-from engine.ppo.rewards import RewardScorer, Scorers
+from engine.ppo.rewards import RewardScorer, SampledResponses, Scorers
 from engine.rollout.sampler import HFSampler, Sample, SamplingSettings
 from engine.run import faults
 from engine.run.distributed import all_reduce
@@ -85,13 +85,7 @@ class HeldOutEvaluator:
         self.reference_distinct = 0.0  # distinct_over_ranks of the reference's responses
 
     def score(self, scorer: RewardScorer, samples: list[Sample], texts: list[str]) -> Scored:
-        total, parts = scorer.score(
-            self.messages,
-            texts,
-            [s.finished for s in samples],
-            [len(s.response_ids) for s in samples],
-            self.fields,
-        )
+        total, parts = scorer.score(SampledResponses(self.messages, samples, texts, self.fields))
         return Scored(total, {k: v for k, v in parts.items() if not k.endswith(("/errors", "/timeouts"))})
 
     def respond(self, sampler, temperature: float, seed: int, judged: bool = False) -> Responses:
@@ -127,11 +121,18 @@ class HeldOutEvaluator:
 
     @torch.no_grad()
     def kl_to_reference(self, samples: list[Sample], actor, ref) -> torch.Tensor:
-        """(n,) KL(policy || reference) of each response, summed over its tokens (k1 estimate)."""
+        """(n,) KL(policy || reference) of each response, summed over its tokens (k1 estimate), both
+        sampling at the rollout's temperature (the responses' distribution)."""
         sequences = [s.prompt_ids + s.response_ids for s in samples]
         lens = [len(s.prompt_ids) for s in samples]
         logprobs = lambda model: sequence_logprobs(
-            model, sequences, lens, self.max_tokens, self.tokenizer.pad_token_id, self.share_prompts
+            model,
+            sequences,
+            lens,
+            self.max_tokens,
+            self.tokenizer.pad_token_id,
+            self.share_prompts,
+            self.settings.temperature,
         )
         return torch.stack([(a - r).sum() for a, r in zip(logprobs(actor), logprobs(ref))]).double()
 

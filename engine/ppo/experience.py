@@ -79,7 +79,8 @@ def make_experience(
     """One rank's scored samples (engine/ppo/collect.py) as experience.
 
     Up to three forwards in packed micro-batches of at most ``settings.max_tokens``: actor and
-    reference log-probs, critic values (``engines.critic`` None: a critic-free estimator, no
+    reference log-probs (both of softmax(logits / ``settings.temperature``), the distribution the
+    rollout sampled from), critic values (``engines.critic`` None: a critic-free estimator, no
     forward); then the per-token KL to the reference (``kl_coef`` 0: none in the reward) and the
     advantages (:func:`engine.ppo.losses.estimate_advantages`; whitening over all ranks; the
     samples of a prompt, ``settings.group_size`` of them, are contiguous). ``old_logprobs_from_sampler``:
@@ -102,12 +103,13 @@ def make_experience(
     forward: dict[str, Any] = dict(
         max_tokens=settings.max_tokens, pad_token_id=pad_token_id, share_prompts=settings.share_prompts
     )
+    tempered = forward | {"temperature": settings.temperature}  # the distributions the samples were drawn from
     old_logprobs = (
         sampler_logprobs
         if old_logprobs_from_sampler
-        else pad_right(sequence_logprobs(engines.actor, sequences, prompt_lens, **forward), T)
+        else pad_right(sequence_logprobs(engines.actor, sequences, prompt_lens, **tempered), T)
     )  # (B, T)
-    ref_logprobs = pad_right(sequence_logprobs(engines.ref, sequences, prompt_lens, **forward), T)  # (B, T)
+    ref_logprobs = pad_right(sequence_logprobs(engines.ref, sequences, prompt_lens, **tempered), T)  # (B, T)
     values = (
         pad_right(sequence_values(engines.critic, sequences, prompt_lens, settings.value_weights, **forward), T)
         if engines.critic is not None and not settings.values_from_update

@@ -85,10 +85,11 @@ def sequence_logprobs(
     max_tokens: int,
     pad_token_id: int,
     share_prompts: bool,
+    temperature: float = 1.0,
 ) -> list[torch.Tensor]:
-    """Each sequence's response-token log-probs under ``model`` (one (R_i,) tensor each), computed
-    in packed micro-batches of at most ``max_tokens``, prompts shared where ``share_prompts`` and
-    the model's attention allows."""
+    """Each sequence's response-token log-probs under ``model`` sampling at ``temperature`` (one
+    (R_i,) tensor each), computed in packed micro-batches of at most ``max_tokens``, prompts shared
+    where ``share_prompts`` and the model's attention allows."""
     return map_micro_batches(
         model,
         sequences,
@@ -96,7 +97,7 @@ def sequence_logprobs(
         max_tokens,
         pad_token_id,
         share_prompts,
-        lambda packed, idx: response_logprobs(model, packed, [prompt_lens[i] for i in idx])[0],
+        lambda packed, idx: response_logprobs(model, packed, [prompt_lens[i] for i in idx], temperature=temperature)[0],
     )
 
 

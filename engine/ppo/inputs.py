@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 from transformers import PreTrainedTokenizerBase
 
+from engine.data.chat import Message, rerendering_difference, shares_template
 from engine.data.prompts import Prompt, load_prompts, prompts_that_fit
 from engine.rewards.code_tests import check_column
 from engine.rewards.components import RewardComponents, RewardsConfigError
@@ -67,6 +68,28 @@ def check_models(cfg: PPOConfig) -> Tokenizers:
     if cfg.rollout.sampler == "vllm":
         check_vllm_can_run(cfg.actor.path, "actor.path", cfg.actor.trust_remote_code, cfg.rollout.tensor_parallel_size)
     return Tokenizers(tokenizer, *reward_tokenizers)
+
+
+def reward_model_inputs(tokenizers: Tokenizers, prompt: list[Message]) -> list[str]:
+    """What each reward model of the run reads of a sampled response, a line each (the dry run and
+    the start print them): the sampled ids where it shares the actor's tokenizer and chat template
+    (and where re-rendering the decoded text would have changed them, tried on ``prompt``), else
+    the decoded text through its own template."""
+    lines = []
+    for key, reader in (("reward_model", tokenizers.reward_model), ("judge.reward_model", tokenizers.judge)):
+        if reader is None:
+            continue
+        if not shares_template(tokenizers.actor, reader):
+            lines.append(
+                f"{key} reads the decoded text rendered through its own chat template (its tokenizer or "
+                "template is not the actor's)"
+            )
+            continue
+        line = f"{key} reads the sampled token ids (it shares the actor's tokenizer and chat template)"
+        if difference := rerendering_difference(reader, prompt):
+            line += f"; re-rendering the decoded text instead would change them: {difference}"
+        lines.append(line)
+    return lines
 
 
 def started_components(cfg: PPOConfig, section: RewardsSection | None) -> RewardComponents | None:

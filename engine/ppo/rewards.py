@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from engine.data.chat import tokenize_pairs
+from engine.data.chat import Message, closing_ids, sampled_conversation, shares_template, tokenize_pairs
 from engine.data.packing import last_token, packed_forward
 from engine.data.prompts import Prompt
 from engine.ppo.forwards import map_micro_batches
@@ -25,8 +25,30 @@ from engine.run.distributed import all_reduce
 from engine.run_config.rewards import RewardModelSection, RewardsSection
 
 
+class SampledResponses(NamedTuple):
+    """Responses to score: the ids the policy sampled and their text, decoded once (what the
+    components, the reward server and a reward model with another tokenizer read)."""
+
+    prompts: Sequence[list[Message]]  # each response's prompt messages
+    samples: Sequence[Sample]  # prompt ids, response ids, whether it ended with EOS
+    texts: Sequence[str]
+    fields: Sequence[dict[str, Any]]  # each response's prompt-data row (the columns the rewards read)
+
+    @classmethod
+    def decode(
+        cls, prompts: Sequence[Prompt], samples: Sequence[Sample], tokenizer: PreTrainedTokenizerBase
+    ) -> SampledResponses:
+        """``samples[i]`` sampled from ``prompts[i]``, decoded with the policy's ``tokenizer``."""
+        texts = [str(tokenizer.decode(s.response_ids, skip_special_tokens=True)) for s in samples]
+        return cls([p.messages for p in prompts], samples, texts, [p.fields for p in prompts])
+
+
 class RewardModelScorer:
-    """The frozen reward model's heads and their normalised, weighted total."""
+    """The frozen reward model's heads and their normalised, weighted total.
+
+    A reward model that shares the policy's tokenizer and chat template reads the sampled ids
+    (:func:`engine.data.chat.sampled_conversation`: the layout of its training pairs); one with
+    another tokenizer or template reads the decoded text rendered through its own template."""
 
     def __init__(
         self,
@@ -35,8 +57,11 @@ class RewardModelScorer:
         section: RewardModelSection,
         max_tokens: int,
         share_prompts: bool = True,
+        policy_tokenizer: PreTrainedTokenizerBase | None = None,
     ):
         self.model, self.tokenizer, self.section = model, tokenizer, section
+        reads_ids = policy_tokenizer is not None and shares_template(policy_tokenizer, tokenizer)
+        self.closing = closing_ids(tokenizer) if reads_ids else None  # None: it reads re-rendered text
         hf = getattr(model, "module", model)
         self.heads = [hf.config.id2label[i] for i in sorted(hf.config.id2label)]
         stats_path = os.path.join(section.path, "reward_stats.json")
@@ -51,15 +76,23 @@ class RewardModelScorer:
         self.mean, self.std = (float(stats["mean"]), float(stats["std"])) if section.normalize else (0.0, 1.0)
         self.max_tokens, self.share_prompts = max_tokens, share_prompts  # a prompt's responses read it once
 
+    def inputs(self, responses: SampledResponses) -> tuple[list[list[int]], list[int]]:
+        """The ids the reward model reads of each response, and its prompt's length."""
+        if self.closing is not None:
+            closing = self.closing
+            full = [sampled_conversation(s.prompt_ids, s.response_ids, s.finished, closing) for s in responses.samples]
+            return full, [len(s.prompt_ids) for s in responses.samples]
+        prompt_ids, full = tokenize_pairs(self.tokenizer, responses.prompts, responses.texts)
+        return full, [len(p) for p in prompt_ids]
+
     @torch.no_grad()
-    def score(self, prompts: Sequence[list[dict[str, str]]], responses: Sequence[str]) -> torch.Tensor:
-        """(B, C) head values. The RM reads conversations rendered exactly as in its training (the
-        response as a closed assistant turn), whatever tokens the policy produced around it."""
-        prompt_ids, full = tokenize_pairs(self.tokenizer, prompts, responses)
+    def score(self, responses: SampledResponses) -> torch.Tensor:
+        """(B, C) head values, read at the last token of :meth:`inputs` as in the reward model's training."""
+        full, prompt_lens = self.inputs(responses)
         per_seq = map_micro_batches(
             self.model,
             full,
-            [len(p) for p in prompt_ids],
+            prompt_lens,
             self.max_tokens,
             self.tokenizer.pad_token_id,
             self.share_prompts,
@@ -80,47 +113,31 @@ class RewardScorer:
     ):
         self.reward_model, self.components, self.rewards = reward_model, components, rewards
 
-    def score(
-        self,
-        prompts: Sequence[list[dict[str, str]]],
-        responses: Sequence[str],
-        finished: Sequence[bool],
-        response_tokens: Sequence[int],
-        fields: Sequence[dict[str, Any]],
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def score(self, responses: SampledResponses) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(B,) scores and their parts for logging: ``reward/<name>`` per response, and per component
         of ``rewards`` the share of responses whose call failed (``reward/<name>/errors``,
         ``/timeouts``). A collective: every rank calls it. :class:`RewardsUnavailable` on every rank
         when a component fails on more than ``rewards.max_failure_share`` of the responses (all
         ranks counted) or the reward server stays down on any rank."""
-        total = torch.zeros(len(responses))
+        samples = responses.samples
+        total = torch.zeros(len(samples))
         parts: dict[str, torch.Tensor] = {}
         if self.reward_model is not None:
-            heads = self.reward_model.score(prompts, responses)  # (B, C)
+            heads = self.reward_model.score(responses)  # (B, C)
             parts |= {f"reward/rm_{c}": heads[:, i] for i, c in enumerate(self.reward_model.heads)}
             total = total + self.reward_model.total(heads)
-        scores = self._components(ScoringBatch(prompts, responses, response_tokens, fields))
+        lengths = [len(s.response_ids) for s in samples]
+        scores = self._components(ScoringBatch(responses.prompts, responses.texts, lengths, responses.fields))
         for name, s in scores.items():
             parts[f"reward/{name}"] = s.values
             total = total + self.components.weights[name] * s.values  # type: ignore[union-attr]
         for name, s in scores.items():
             if name != "length":
-                parts[f"reward/{name}/errors"] = torch.full((len(responses),), s.errors / max(len(responses), 1))
-                parts[f"reward/{name}/timeouts"] = torch.full((len(responses),), s.timeouts / max(len(responses), 1))
-        total = total + self.rewards.no_eos_penalty * (~torch.tensor(list(finished), dtype=torch.bool)).float()
+                parts[f"reward/{name}/errors"] = torch.full((len(samples),), s.errors / max(len(samples), 1))
+                parts[f"reward/{name}/timeouts"] = torch.full((len(samples),), s.timeouts / max(len(samples), 1))
+        unfinished = (~torch.tensor([s.finished for s in samples], dtype=torch.bool)).float()
+        total = total + self.rewards.no_eos_penalty * unfinished
         return total.clamp(-self.rewards.clip, self.rewards.clip), parts
-
-    def score_samples(
-        self, samples: Sequence[Sample], prompts: Sequence[Prompt], tokenizer
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """:meth:`score` of sampled responses (``prompts[i]``: sample i's prompt, with its fields)."""
-        return self.score(
-            [p.messages for p in prompts],
-            [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples],
-            [s.finished for s in samples],
-            [len(s.response_ids) for s in samples],
-            [p.fields for p in prompts],
-        )
 
     def _components(self, batch: ScoringBatch) -> dict[str, ComponentScores]:
         """The components' scores, once every rank knows none of them is unavailable."""

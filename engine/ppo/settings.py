@@ -87,6 +87,7 @@ class ExperienceSettings:
     distinct_n: int = 2  # n of the rollout's distinct n-grams among a prompt's samples (a monitor)
     grpo_std_scaling: bool = True  # grpo divides by the group's reward std (false: Dr. GRPO)
     mask_truncated: bool = False  # responses cut at max_new_tokens count in no loss (DAPO's overlong filtering)
+    temperature: float = 1.0  # the rollout's: log-probs are those of softmax(logits / temperature)
 
     @classmethod
     def from_config(cls, cfg: PPOConfig, value_weights: torch.Tensor, values_from_update: bool) -> ExperienceSettings:
@@ -103,6 +104,7 @@ class ExperienceSettings:
             distinct_n=cfg.monitors.distinct_n,
             grpo_std_scaling=cfg.ppo.grpo_std_scaling,
             mask_truncated=cfg.ppo.mask_truncated,
+            temperature=cfg.rollout.temperature,
         )
 
 
@@ -120,6 +122,7 @@ class UpdateSettings:
     seed: int  # iteration i shuffles its mini-batches with seed * 100_003 + i
     share_prompts: bool = True  # the samples of a prompt in one mini-batch compute it once
     values_gae: GaeSettings | None = None  # set: the first critic step gives the rollout's values, then GAE runs
+    temperature: float = 1.0  # the rollout's: log-probs and entropy are those of softmax(logits / temperature)
 
     @classmethod
     def from_config(cls, cfg: PPOConfig, value_weights: torch.Tensor, pad_token_id: int, critic) -> UpdateSettings:
@@ -134,6 +137,7 @@ class UpdateSettings:
             seed=cfg.train.seed,
             share_prompts=cfg.ppo.share_prompt,
             values_gae=values_from_update(cfg, critic),
+            temperature=cfg.rollout.temperature,
         )
 
 

@@ -98,7 +98,12 @@ def actor_step(engine, batch: Experience, settings: UpdateSettings, iteration: i
     for _, mb, packed in _micro_batches(engine, batch, settings):
         T = mb.mask.shape[1]
         logprob_rows, entropy_rows = response_logprobs(
-            engine, packed, mb.prompt_lens, with_entropy=True, entropy_grad=settings.policy.entropy_coef != 0
+            engine,
+            packed,
+            mb.prompt_lens,
+            with_entropy=True,
+            entropy_grad=settings.policy.entropy_coef != 0,
+            temperature=settings.temperature,
         )
         assert entropy_rows is not None  # with_entropy
         logprobs, entropy = pad_right(logprob_rows, T), pad_right(entropy_rows, T)  # (b, T) each

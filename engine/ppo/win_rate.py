@@ -16,11 +16,13 @@ import argparse
 import json
 from collections.abc import Sequence
 
+from transformers import PreTrainedTokenizerBase
+
 from engine.data.chat import prompt_ids
-from engine.data.prompts import Messages, load_prompts
+from engine.data.prompts import Prompt, load_prompts
 from engine.models.loading import load_causal_lm, load_value_model
 from engine.ppo.evaluation import win_scores
-from engine.ppo.rewards import RewardModelScorer
+from engine.ppo.rewards import RewardModelScorer, SampledResponses
 from engine.rollout.sampler import HFSampler, SamplingSettings
 from engine.run.distributed import init_distributed
 from engine.run.launch import run_main
@@ -29,22 +31,21 @@ from engine.run_config.rewards import RewardModelSection
 
 
 def sampled_responses(
-    path: str, flag: str, messages: list[Messages], settings: SamplingSettings, seed: int, batch: int
-) -> tuple[list[str], float]:
+    path: str, flag: str, prompts: list[Prompt], settings: SamplingSettings, seed: int, batch: int
+) -> tuple[SampledResponses, PreTrainedTokenizerBase]:
     """One response of the policy at ``path`` (the command line's ``flag``) to each prompt, rendered
-    with its own tokenizer and chat template, decoded, and their mean length in tokens."""
+    with its own tokenizer and chat template, and that tokenizer."""
     tokenizer = load_tokenizer(path, flag)
     check_weights(path, flag, value_head=False)
-    prompts = [prompt_ids(tokenizer, m) for m in messages]
+    ids = [prompt_ids(tokenizer, p.messages) for p in prompts]
     model = load_causal_lm(path).eval()
     sampler = HFSampler(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
     samples = [
         group[0]
-        for start in range(0, len(prompts), batch)
-        for group in sampler.generate(prompts[start : start + batch], settings, seed + start)
+        for start in range(0, len(ids), batch)
+        for group in sampler.generate(ids[start : start + batch], settings, seed + start)
     ]
-    texts = [str(tokenizer.decode(s.response_ids, skip_special_tokens=True)) for s in samples]
-    return texts, sum(len(s.response_ids) for s in samples) / len(samples)
+    return SampledResponses.decode(prompts, samples, tokenizer), tokenizer
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -60,32 +61,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     init_distributed()  # one process: the scorer's micro-batch plan agrees over "all" ranks
     check_weights(args.reward_model, "--reward-model", value_head=True)
-    messages = [p.messages for p in load_prompts(args.prompts)]
+    prompts = load_prompts(args.prompts)
     settings = SamplingSettings(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
     responses = {
-        name: sampled_responses(path, f"--{name}", messages, settings, args.seed, args.batch)
+        name: sampled_responses(path, f"--{name}", prompts, settings, args.seed, args.batch)
         for name, path in (("policy", args.policy), ("baseline", args.baseline))
     }
-    scorer = RewardModelScorer(
-        load_value_model(args.reward_model).eval(),
-        load_tokenizer(args.reward_model, "--reward-model"),
-        RewardModelSection(path=args.reward_model, normalize=False),
-        max_tokens=4096,
-    )
-    rewards = {name: scorer.total(scorer.score(messages, texts)) for name, (texts, _) in responses.items()}
+    reward_model = load_value_model(args.reward_model).eval()
+    reward_tokenizer = load_tokenizer(args.reward_model, "--reward-model")
+    section = RewardModelSection(path=args.reward_model, normalize=False)
+    rewards = {}
+    for name, (sampled, tokenizer) in responses.items():  # each policy's ids where it shares the RM's tokenizer
+        scorer = RewardModelScorer(reward_model, reward_tokenizer, section, 4096, policy_tokenizer=tokenizer)
+        rewards[name] = scorer.total(scorer.score(sampled))
+    lengths = {name: sum(len(s.response_ids) for s in r.samples) / len(r.samples) for name, (r, _) in responses.items()}
     wins = win_scores(rewards["policy"], rewards["baseline"])
     print(
         json.dumps(
             {
                 "policy": args.policy,
                 "baseline": args.baseline,
-                "prompts": len(messages),
+                "prompts": len(prompts),
                 "win_rate": wins.mean().item(),
-                "win_rate_stderr": (wins.std() / len(messages) ** 0.5).item(),
+                "win_rate_stderr": (wins.std() / len(prompts) ** 0.5).item(),
                 "policy_reward": rewards["policy"].mean().item(),
                 "baseline_reward": rewards["baseline"].mean().item(),
-                "policy_length": responses["policy"][1],
-                "baseline_length": responses["baseline"][1],
+                "policy_length": lengths["policy"],
+                "baseline_length": lengths["baseline"],
             }
         )
     )

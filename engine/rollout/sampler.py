@@ -7,8 +7,9 @@ actor update :meth:`VLLMSampler.sync_weights` pushes the actor's weights in, buc
 (engine/rollout/weight_sync.py). :class:`HFSampler` generates with the actor engine itself (debugging,
 machines without vLLM); its weights are always current.
 
-Both return :class:`Sample` lists; the log-probs they report are only used to measure the gap
-to the actor's own recomputed log-probs (a broken sync shows up there).
+Both return :class:`Sample` lists; the log-probs they report are those of the distribution sampled
+from (softmax of the logits / temperature, as the actor's are computed), used to measure the gap
+to the actor's own recomputed log-probs (a broken sync shows up there) and for importance weights.
 
 Tensor parallelism (``tensor_parallel_size`` k > 1): each group of k consecutive ranks shares one
 vLLM engine, every rank holding a shard. The ranks of a group must submit the same requests, so
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.rollout.cpu_shm import remove_stale_segments
 from engine.run.checkpoint import rng_state, set_rng_state
 from engine.run.cpu_threads import confine_openmp_to_this_thread
 
@@ -105,6 +107,8 @@ class VLLMSampler:
         from vllm import LLM
 
         on_gpu = torch.cuda.is_available()
+        if not on_gpu and tensor_parallel_size > 1:
+            remove_stale_segments()  # left by a killed engine, they would keep this one from starting
         if on_gpu:
             memory = {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": sleep_between_rollouts}
         else:
@@ -123,6 +127,7 @@ class VLLMSampler:
             max_model_len=max_model_len,
             tensor_parallel_size=tensor_parallel_size,
             distributed_executor_backend="external_launcher",
+            logprobs_mode="processed_logprobs",  # of the tempered distribution sampled from, as the actor computes them
             **memory,
         )
         set_rng_state(trainer_rng)
@@ -265,17 +270,18 @@ class HFSampler:
                 do_sample=settings.temperature > 0,
                 temperature=settings.temperature if settings.temperature > 0 else None,
                 top_p=settings.top_p,
+                top_k=0,  # the whole vocabulary (generation_config's default keeps the top 50)
                 max_new_tokens=settings.max_new_tokens,
                 eos_token_id=self.eos_token_id,
                 pad_token_id=self.pad_token_id,
-                output_logits=True,  # raw logits: log-probs comparable with the actor's
+                output_scores=True,  # the logits / temperature sampled from: log-probs comparable with the actor's
                 return_dict_in_generate=True,
                 synced_gpus=zero3 and torch.distributed.get_world_size() > 1,  # ZeRO-3: ranks step together
             )
         finally:
             torch.set_rng_state(trainer_rng)
         new = out.sequences[:, width:]
-        logprobs = torch.stack(out.logits, 1).float().log_softmax(-1).gather(-1, new[..., None]).squeeze(-1).cpu()
+        logprobs = torch.stack(out.scores, 1).float().log_softmax(-1).gather(-1, new[..., None]).squeeze(-1).cpu()
         new = new.cpu()
         samples = []
         for row in range(new.shape[0]):

@@ -42,7 +42,9 @@ class RolloutSection(Config):
     prompts_per_iteration: int = option(16, "prompts per iteration, over all ranks", ge=1)
     samples_per_prompt: int = option(1, "responses sampled per prompt", ge=1)
     temperature: float = option(1.0, "sampling temperature", gt=0)
-    top_p: float = option(1.0, "nucleus sampling threshold", gt=0, le=1)
+    top_p: float = option(
+        1.0, "nucleus sampling threshold: 1 only (PPO's log-probs are the whole tempered distribution's)", gt=0, le=1
+    )
     max_new_tokens: int = option(64, "response length limit", ge=1)
     dynamic_sampling: bool = option(
         False,
@@ -99,6 +101,12 @@ class RolloutSection(Config):
     )
 
     def check(self) -> None:
+        if self.top_p < 1:
+            raise ConfigError(
+                f"'top_p' {self.top_p:g}: PPO's log-probs, KL and importance weights are those of the tempered "
+                "distribution over the whole vocabulary, which nucleus sampling does not sample from; set 1 and "
+                "sharpen with 'temperature'"
+            )
         if self.mode == "async" and (self.sampler != "vllm" or self.dynamic_sampling):
             raise ConfigError(
                 "'mode' async runs one vLLM engine on ranks of its own: it needs sampler vllm and no dynamic_sampling"

@@ -1,5 +1,5 @@
 """Colocated vLLM + ZeRO-3 actor: greedy outputs agree before training, diverge after an update,
-agree again after the bucketed weight sync.
+agree again after the bucketed weight sync; then samples at temperature 0.6 carry the actor's log-probs.
 
     deepspeed --num_gpus N tests/scripts/weight_sync_check.py MODEL_DIR [--tensor-parallel K] [--lora-rank R]
 
@@ -24,11 +24,13 @@ from engine.data.packing import next_token_logprobs, pack_sequences, packed_forw
 from engine.models.deepspeed_glue import initialize_training_engine, load_partitioned, training_ds_config
 from engine.models.loading import load_causal_lm
 from engine.models.lora import adapters_disabled, add_adapters
+from engine.ppo.forwards import sequence_logprobs
 from engine.rollout.sampler import HFSampler, SamplingSettings, VLLMSampler
 from engine.run.distributed import init_distributed, shutdown_distributed
 from engine.run_config import LoraSection
 
 GREEDY = SamplingSettings(n=1, temperature=0.0, top_p=1.0, max_new_tokens=12)
+TEMPERATURE = 0.6
 QUESTIONS = ["Tell me about the garden in Alder.", "What do you think of the river in Cobton?", "Hello"]
 
 
@@ -44,6 +46,30 @@ def shard_rows(sampler: VLLMSampler) -> int:
         )
     )
     return rows[0]
+
+
+def tempered_gaps(engine, vllm: VLLMSampler, hf: HFSampler, prompts, pad_token_id: int) -> dict[str, float]:
+    """At temperature 0.6 (3 samples a prompt): the largest |gap| between the actor's packed, shared-prompt
+    log-probs and vLLM's (processed) ones, HF generate's, and log_softmax(logits / T) of a plain forward."""
+    settings = SamplingSettings(n=3, temperature=TEMPERATURE, max_new_tokens=12)
+    gaps = {}
+    for name, sampler in (("vllm", vllm), ("hf", hf)):
+        samples = [s for group in sampler.generate(prompts, settings, 7) for s in group]
+        sequences, lens = [s.prompt_ids + s.response_ids for s in samples], [len(s.prompt_ids) for s in samples]
+        with torch.no_grad():
+            actor = sequence_logprobs(engine, sequences, lens, 4096, pad_token_id, True, TEMPERATURE)
+            plain = [
+                (engine(input_ids=torch.tensor([seq]), use_cache=False).logits[0].float() / TEMPERATURE)
+                .log_softmax(-1)[n - 1 : -1]
+                .gather(-1, torch.tensor(seq[n:])[:, None])
+                .squeeze(-1)
+                for seq, n in zip(sequences, lens)
+            ]
+        gaps[f"tempered_gap_{name}"] = max(
+            (a - torch.tensor(s.logprobs)).abs().max().item() for a, s in zip(actor, samples)
+        )
+        gaps[f"tempered_gap_plain_{name}"] = max((a - p).abs().max().item() for a, p in zip(actor, plain))
+    return gaps
 
 
 def main() -> None:
@@ -99,6 +125,7 @@ def main() -> None:
     vllm.sync_weights(engine)
     sync_s = time.perf_counter() - start
     v1 = tokens(vllm.generate(prompts, GREEDY, 0))
+    tempered = tempered_gaps(engine, vllm, hf, prompts, tok.pad_token_id)
     with adapters_disabled(engine.module):  # LoRA: the base weights, i.e. the reference; else the same weights again
         vllm.sync_weights(engine)
     reference = tokens(vllm.generate(prompts, GREEDY, 0))
@@ -121,6 +148,7 @@ def main() -> None:
                 "generate_s": generate_s,
                 "shard_rows": shard_rows(vllm),
             }
+            | tempered
         ),
         flush=True,
     )
