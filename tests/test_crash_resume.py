@@ -12,6 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 from helpers import (
     REPO,
     RM_COMPONENTS,
@@ -76,21 +77,23 @@ def test_sigterm_writes_a_checkpoint_and_exits_cleanly(rm_run, tmp_path):
 
 def test_sigkill_inside_a_checkpoint_write_resumes_from_the_last_complete_one(rm_run, tmp_path):
     """A copy of the uninterrupted run as a SIGKILL after step 20 leaves it (the step-20 checkpoint,
-    no model) is resumed and killed inside its step-40 save, after the engine states are written and
-    before the directory is renamed into place; the next resume starts at 20 again and reproduces
-    the uninterrupted run."""
+    no model) is resumed with time-based checkpoints only (checkpoint.every_minutes, here a few ms:
+    one after every step) and killed inside its step-40 save, after the engine states are written and
+    before the directory is renamed into place; the next resume starts at 39 and reproduces the
+    uninterrupted run."""
     root, _ = rm_run
     config = copied_run(root, tmp_path)
     checkpoints = tmp_path / "run" / "checkpoints"
     shutil.rmtree(checkpoints / "step00000040")
     shutil.rmtree(tmp_path / "run" / "model")
     (checkpoints / "latest").write_text("step00000020")
-    killed = launch("train_rm.py", config, "--resume", env=faults(kill_in_checkpoint_at=40), check=False)
+    by_time = ("--checkpoint.every_steps", "0", "--checkpoint.every_minutes", "1e-5")
+    killed = launch("train_rm.py", config, "--resume", *by_time, env=faults(kill_in_checkpoint_at=40), check=False)
     assert killed.returncode != 0 and "resumed at step 20" in killed.stdout
     assert (checkpoints / "step00000040.tmp").is_dir() and not (checkpoints / "step00000040").exists()  # the torn save
-    assert (checkpoints / "latest").read_text().strip() == "step00000020"
+    assert (checkpoints / "latest").read_text().strip() == "step00000039"
     assert not (tmp_path / "run" / "model").exists()
-    assert_resume_matches(rm_run, config, tmp_path / "run", expect_from=20)
+    assert_resume_matches(rm_run, config, tmp_path / "run", expect_from=39)
     assert not (checkpoints / "step00000040.tmp").exists()  # the resumed run saved step 40 over it
 
 
@@ -186,11 +189,15 @@ def test_resume_with_another_config_is_refused(rm_run, tmp_path):
     config = json.loads((root / "rm.json").read_text())
     config["logging"]["output_dir"] = str(run)
     config["train"]["pairs_per_step"] = 16
+    regenerated = pq.read_table(config["data"]["train"])  # the same pairs less one, as another prepare run writes them
+    config["data"]["train"] = str(tmp_path / "train.parquet")
+    pq.write_table(regenerated.slice(1), config["data"]["train"])
     (tmp_path / "rm.json").write_text(json.dumps(config))
     refused = run_script("train_rm.py", tmp_path / "rm.json", "--resume")
     assert refused.returncode != 0
     said = refused.stdout + refused.stderr
-    assert "resume error: " in said and "belongs to a different run (pairs_per_step: checkpoint 32, now 16)" in said
+    assert "resume error: " in said and "belongs to a different run (data.train: checkpoint 'blake2b:" in said
+    assert "; pairs_per_step: checkpoint 32, now 16)" in said
     assert "LOAD REPORT" not in said  # refused before any model loads
     # (with --allow-config-change it resumes: test_sigterm_writes_a_checkpoint_and_exits_cleanly)
 

@@ -18,10 +18,12 @@ import torch
 from helpers import launch, metric_series, read_events, run_script
 
 from engine.config import DS_CONFIGS_DIR
+from engine.run import lifecycle
 from engine.run.guards import RollbackGuard, Stateful
 from engine.run.launch import RunArgs, RunRefused
 from engine.run.lifecycle import RunLifecycle
 from engine.run.output_dir import existing_run
+from engine.run_config.common import CheckpointSection
 
 
 @dataclass
@@ -56,14 +58,15 @@ def make_engine(seed: int):
     )
 
 
-def make_run(out: Path, resume: bool = False, overwrite: bool = False, every_steps: int = 2) -> RunLifecycle:
+def make_run(
+    out: Path, resume: bool = False, overwrite: bool = False, every_steps: int = 2, every_minutes: float = 0.0
+) -> RunLifecycle:
     return RunLifecycle(
         output_dir=str(out),
         run_args=RunArgs(resume, overwrite, allow_config_change=False, dry_run=False),
         identity={"model": "linear"},
         export_dir="model",
-        keep_last=5,
-        every_steps=every_steps,
+        checkpoint=CheckpointSection(keep_last=5, every_steps=every_steps, every_minutes=every_minutes),
     )
 
 
@@ -123,6 +126,25 @@ def test_registry_round_trip_resumes_engine_state_rngs_lr_scale_and_metrics(deep
     assert torch.equal(torch.rand(3), expected_draw)  # the RNG continues where the checkpoint left it
     assert (tmp_path / "run" / "metrics.jsonl").read_bytes() == lines_before  # step 5 rewound, 1-4 byte for byte
     resumed.finish(0, "done")
+
+
+def test_a_checkpoint_every_so_many_minutes_counts_from_the_last_save(deepspeed_ready, tmp_path, monkeypatch):
+    """checkpoint.every_minutes (30 by default: a crash loses at most half an hour) beside every_steps;
+    a save of any kind restarts the clock. The clock here: 7 minutes a step."""
+    assert CheckpointSection().every_minutes == 30
+    now = [0.0]
+    monkeypatch.setattr(lifecycle.time, "monotonic", lambda: now[0])
+    engine = make_engine(0)
+    run = make_run(tmp_path / "run", every_steps=5, every_minutes=20)
+    start(run, engine)
+    for _ in range(9):
+        now[0] += 7 * 60
+        train_step(run, engine)
+        run.end_of_step()
+    # 21 min at step 3; every_steps at 5 (14 min after it); 21 min after that at step 8
+    steps = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name != "latest")
+    assert steps == ["step00000003", "step00000005", "step00000008"]
+    run.finish(0, "done")
 
 
 def test_rollback_restores_what_rolls_back_scales_the_lr_and_drops_the_abandoned_branch(deepspeed_ready, tmp_path):

@@ -36,6 +36,7 @@ from engine.models.deepspeed_glue import (
 )
 from engine.models.loading import attention_shares_prompts, load_causal_lm
 from engine.models.lora import add_adapters
+from engine.run.checkpoint import content_fingerprint
 from engine.run.dry_run import dpo_plan
 from engine.run.guards import NonFiniteGuard
 from engine.run.launch import run_main, start_run
@@ -69,12 +70,11 @@ def main() -> int:
         output_dir=out,
         run_args=run_args,
         export_dir="model",
-        keep_last=cfg.checkpoint.keep_last,
-        every_steps=cfg.checkpoint.every_steps,
+        checkpoint=cfg.checkpoint,
         identity={
             "model": cfg.model.path,
-            "train_data": cfg.data.train,
-            "validation_data": cfg.data.validation,
+            "data.train": content_fingerprint(cfg.data.train),
+            "data.validation": content_fingerprint(cfg.data.validation),
             "loss": cfg.dpo.loss,
             "pairs_per_step": per_step,
             "seed": cfg.train.seed,

@@ -39,6 +39,7 @@ from engine.ppo.update import update_on_rollout
 from engine.rewards.components import RewardsUnavailable
 from engine.rollout.generation_rank import serve
 from engine.rollout.remote import RemoteSampler, WeightSyncFailed
+from engine.run.checkpoint import content_fingerprint
 from engine.run.distributed import accelerator_memory_metrics, mean_over_ranks, split_world
 from engine.run.dry_run import ppo_plan
 from engine.run.guards import KLGuard, NonFiniteGuard, RollbackGuard
@@ -128,10 +129,18 @@ def main() -> int:
             f"{cfg.rollout.prompts_per_iteration}"
         )
     components = reward_components(cfg)
-    reading = reward_model_inputs(tokenizers, prompts[0].messages)
     if run_args.dry_run:
         return (
-            ppo_plan(cfg, prompts, eval_prompts, tokenizer, ds_config, world, run_args.device_memory_gib, reading)
+            ppo_plan(
+                cfg,
+                prompts,
+                eval_prompts,
+                tokenizer,
+                ds_config,
+                world,
+                run_args.device_memory_gib,
+                reward_model_inputs(tokenizers, prompts[0].messages),
+            )
             if rank == 0
             else 0
         )
@@ -140,13 +149,12 @@ def main() -> int:
         output_dir=out,
         run_args=run_args,
         export_dir="actor",
-        keep_last=cfg.checkpoint.keep_last,
-        every_steps=cfg.checkpoint.every_steps,
+        checkpoint=cfg.checkpoint,
         unit="iteration",
         identity={
             "actor": cfg.actor.path,
             "reward_model": cfg.reward_model.path if cfg.reward_model else None,
-            "prompts": cfg.data.prompts,
+            "data.prompts": content_fingerprint(cfg.data.prompts),
             "prompts_per_iteration": cfg.rollout.prompts_per_iteration,
             "samples_per_prompt": cfg.rollout.samples_per_prompt,
             "mini_batch_size": cfg.ppo.mini_batch_size,
@@ -216,7 +224,7 @@ def main() -> int:
                 else ""
             )
             + (f", resumed at iteration {run.step} from {run.resume_from}" if run.resume_from else "")
-            + "".join(f"\n{line}" for line in reading)
+            + "".join(f"\n{line}" for line in reward_model_inputs(tokenizers, prompts[0].messages))
         )
     evaluator = (
         HeldOutEvaluator(

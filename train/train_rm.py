@@ -32,6 +32,7 @@ from engine.models.deepspeed_glue import (
 )
 from engine.models.loading import attention_shares_prompts, load_value_model
 from engine.rm.reward_model import RMLossSettings, evaluate_pairs, rm_step
+from engine.run.checkpoint import content_fingerprint
 from engine.run.dry_run import rm_plan
 from engine.run.guards import NonFiniteGuard
 from engine.run.launch import run_main, start_run
@@ -79,11 +80,10 @@ def main() -> int:
         output_dir=out,
         run_args=run_args,
         export_dir="model",
-        keep_last=cfg.checkpoint.keep_last,
-        every_steps=cfg.checkpoint.every_steps,
+        checkpoint=cfg.checkpoint,
         identity={
             "model": cfg.model.path,
-            "train_data": cfg.data.train,
+            "data.train": content_fingerprint(cfg.data.train),
             "components": cfg.rm.components,
             "pairs_per_step": cfg.train.pairs_per_step,
             "seed": cfg.train.seed,

@@ -33,6 +33,7 @@ from engine.models.deepspeed_glue import (
     training_ds_config,
 )
 from engine.models.loading import load_causal_lm
+from engine.run.checkpoint import content_fingerprint
 from engine.run.dry_run import sft_plan
 from engine.run.guards import NonFiniteGuard
 from engine.run.launch import run_main, start_run
@@ -73,11 +74,10 @@ def main() -> int:
         output_dir=out,
         run_args=run_args,
         export_dir="model",
-        keep_last=cfg.checkpoint.keep_last,
-        every_steps=cfg.checkpoint.every_steps,
+        checkpoint=cfg.checkpoint,
         identity={
             "model": cfg.model.path,
-            "train_data": cfg.data.train,
+            "data.train": content_fingerprint(cfg.data.train),
             "conversations_per_step": per_step,
             "seed": cfg.train.seed,
             "world_size": world,

@@ -20,6 +20,7 @@ on resume) and the RNG states of python, numpy and torch, per rank, loaded with
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import pickle
@@ -193,22 +194,35 @@ def _read_latest(ckpt_root: str) -> str | None:
     return name if _STEP_DIR.match(name) else None
 
 
-def check_run_identity(path: str, run_identity: dict[str, Any], allow_config_change: bool) -> None:
+def content_fingerprint(path: str) -> str:
+    """A digest of the file's bytes (BLAKE2b, 128 bits): the run identity's record of a data file, so
+    that a file regenerated at the same path is another run's data. '' for no file."""
+    if not path:
+        return ""
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return f"blake2b:{digest.hexdigest()}"
+
+
+def check_run_identity(path: str, run_identity: dict[str, Any], allow_config_change: bool) -> str:
     """Refuse (ResumeError) the checkpoint at ``path`` when the run that wrote it had another
-    ``run_identity`` (model, data, batch shape...), unless ``allow_config_change``. Reads rank 0's
-    trainer state only: before any model loads."""
+    ``run_identity`` (model, data content, batch shape...), unless ``allow_config_change``; returns
+    what differs ('' for nothing). Reads rank 0's trainer state only: before any model loads."""
     try:
         state = torch.load(os.path.join(path, "trainer_state_rank0.pt"), weights_only=True)
     except (OSError, pickle.UnpicklingError, RuntimeError) as e:
         raise ResumeError(f"{path}: its trainer state cannot be read ({e})") from None
     saved = state.get("run_identity", {})
     changed = sorted(k for k in set(saved) | set(run_identity) if saved.get(k) != run_identity.get(k))
+    details = "; ".join(f"{k}: checkpoint {saved.get(k)!r}, now {run_identity.get(k)!r}" for k in changed)
     if changed and not allow_config_change:
-        details = "; ".join(f"{k}: checkpoint {saved.get(k)!r}, now {run_identity.get(k)!r}" for k in changed)
         raise ResumeError(
             f"{path} belongs to a different run ({details}). Use another logging.output_dir, or pass "
             "--allow-config-change to resume anyway."
         )
+    return details
 
 
 def load_checkpoint(path: str, engines: dict[str, Any]) -> dict[str, Any]:

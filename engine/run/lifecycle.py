@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -51,6 +52,7 @@ from engine.run.checkpoint import (
 from engine.run.guards import NonFiniteGuard, RollbackGuard, TrainingAborted
 from engine.run.launch import GracefulStop, RunArgs, RunRefused
 from engine.run.output_dir import check_output_dir, remove_run
+from engine.run_config.common import CheckpointSection
 
 
 class Checkpointable(Protocol):
@@ -82,12 +84,17 @@ class RunLifecycle:
         run_args: RunArgs,
         identity: dict[str, Any],
         export_dir: str,
-        keep_last: int,
-        every_steps: int,
+        checkpoint: CheckpointSection,
         unit: str = "step",
     ):
         self.output_dir, self.run_args, self.identity = output_dir, run_args, identity
-        self.export_dir, self.keep_last, self.every_steps, self.unit = export_dir, keep_last, every_steps, unit
+        self.export_dir, self.unit = export_dir, unit
+        self.keep_last, self.every_steps, self.every_minutes = (
+            checkpoint.keep_last,
+            checkpoint.every_steps,
+            checkpoint.every_minutes,
+        )
+        self.saved_at = time.monotonic()  # of the last save (or the start): every_minutes counts from it
         self.ckpt_root = os.path.join(output_dir, "checkpoints")
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         # The lifecycle's own state, saved in every checkpoint under "run".
@@ -101,9 +108,10 @@ class RunLifecycle:
         self.rollback_lr_factor = 1.0
         # Before any model loads: the checkpoint to resume, written by this run, or RunRefused.
         self.resume_from = check_output_dir(output_dir, export_dir, self.ckpt_root, run_args)
+        self.identity_changes = ""  # what --allow-config-change let differ from the checkpoint's run
         if self.resume_from:
             try:
-                check_run_identity(self.resume_from, identity, run_args.allow_config_change)
+                self.identity_changes = check_run_identity(self.resume_from, identity, run_args.allow_config_change)
             except ResumeError as e:
                 raise RunRefused("resume", str(e)) from None
 
@@ -177,7 +185,10 @@ class RunLifecycle:
             wandb_project=wandb_project,
             resume_step=self.step if self.resume_from else None,
         )
+        if self.identity_changes:
+            self.event("config_changed", f"resumed with --allow-config-change: {self.identity_changes}")
         self.total_steps = total_steps
+        self.saved_at = time.monotonic()
         self.bar = tqdm(total=total_steps, initial=self.step, disable=self.rank != 0 or not progress_bar, desc=desc)
         self.stop = GracefulStop()  # after vLLM started: its engine installs handlers of its own
 
@@ -239,18 +250,20 @@ class RunLifecycle:
         if good:
             self.last_good = os.path.join(self.ckpt_root, f"step{self.step:08d}")
         try:
-            return save_checkpoint(
+            path = save_checkpoint(
                 self.ckpt_root, self.step, self.engines, self.trainer_state(), self.keep_last, keep=self.last_good
             )
+            self.saved_at = time.monotonic()
+            return path
         except CheckpointWriteError as e:
             raise RunEnded(2, f"checkpoint error: {e}") from None
 
     def end_of_step(self, good: bool = False) -> None:
-        """The save decisions after a step: periodic (``every_steps``), on a stop signal, and after a
-        good evaluation when rollback is on; none after the last step (the export follows).
-        A stop signal ends the run here (:class:`RunEnded`, exit 0)."""
+        """The save decisions after a step: periodic (``every_steps``, or ``every_minutes`` since the
+        last save), on a stop signal, and after a good evaluation when rollback is on; none after the
+        last step (the export follows). A stop signal ends the run here (:class:`RunEnded`, exit 0)."""
         last = self.step >= self.total_steps
-        periodic = bool(self.every_steps) and self.step % self.every_steps == 0
+        periodic = (bool(self.every_steps) and self.step % self.every_steps == 0) or self._minutes_passed()
         stopping = not last and self.stop.requested()  # a collective: every rank stops at the same step
         good = good and self.rollback is not None and self.rollback.max_drop is not None
         if (periodic or stopping or good) and not last:
@@ -261,6 +274,15 @@ class RunLifecycle:
                 f"stopped by {self.stop.signal_name or 'a signal on another rank'} after {self.unit} {self.step}: "
                 f"checkpoint {path}; continue with the same command plus --resume",
             )
+
+    def _minutes_passed(self) -> bool:
+        """Whether ``every_minutes`` have passed since the last save, by rank 0's clock (a collective:
+        every rank saves at the same step)."""
+        if not self.every_minutes:
+            return False
+        due = torch.tensor([float(time.monotonic() - self.saved_at >= 60 * self.every_minutes)])
+        torch.distributed.broadcast(due, 0)
+        return bool(due.item())
 
     def first_evaluation(self, reward: float) -> None:
         """The starting point's held-out reward: the first best, and with rollback on, the first

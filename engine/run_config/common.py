@@ -103,7 +103,13 @@ class OptimSection(Config):
 
 
 class CheckpointSection(Config):
-    every_steps: int = option(0, "save a resumable checkpoint every N optimizer steps (0: only on a stop signal)", ge=0)
+    every_steps: int = option(0, "save a resumable checkpoint every N optimizer steps (0: none by count)", ge=0)
+    every_minutes: float = option(
+        30.0,
+        "also save one when this many minutes have passed since the last save (0: none by time); a stop "
+        "signal always saves",
+        ge=0,
+    )
     keep_last: int = option(2, "how many checkpoints to keep", ge=1)
 
 
