@@ -6,7 +6,8 @@ Two input shapes are understood:
   prompt is the dialogue up to and including the last ``"\\n\\nAssistant:"``, turned into chat
   messages; the responses are what follows it.
 * **Generic** rows with ``prompt`` (string or message list) and ``chosen``/``rejected``
-  (strings, or a one-message assistant list), optional ``margin`` (float) and optional
+  (strings, a one-message assistant list, or, as UltraFeedback-binarized has them, the whole
+  conversation: the prompt's messages then the assistant's), optional ``margin`` (float) and optional
   ``components`` (``{"helpful": 1, "harmless": -1}``: +1 chosen is better under that
   component, -1 rejected is, 0 no preference). Without ``prompt``, chosen and rejected may be
   whole conversations (message lists) whose shared prefix is the prompt.
@@ -71,8 +72,8 @@ def parse_preference_row(row: Any) -> PreferencePair:
             raise InvalidRow("missing_field", name, "missing")
     if row.get("prompt") is not None:
         prompt = parse_messages(row["prompt"], "prompt", allow_string=True)
-        chosen = parse_response(row["chosen"], "chosen")
-        rejected = parse_response(row["rejected"], "rejected")
+        chosen = parse_response(after_prompt(row["chosen"], prompt), "chosen")
+        rejected = parse_response(after_prompt(row["rejected"], prompt), "rejected")
     elif isinstance(row["chosen"], str) and isinstance(row["rejected"], str):
         prompt, chosen, rejected = _split_hh(row["chosen"], row["rejected"])
     else:
@@ -91,6 +92,18 @@ def parse_preference_row(row: Any) -> PreferencePair:
     if pair.chosen.strip() == pair.rejected.strip():
         raise DroppedRow("identical_responses")
     return pair
+
+
+def after_prompt(value: Any, prompt: list[Message]) -> Any:
+    """A response given as the whole conversation (UltraFeedback-binarized: the prompt's messages, then
+    the assistant's) without the prompt's messages; any other value as it is."""
+    if isinstance(value, list) and len(value) > len(prompt):
+        head = [m for m in value[: len(prompt)] if isinstance(m, dict)]
+        if [(m.get("role"), str(m.get("content", "")).strip()) for m in head] == [
+            (m["role"], m["content"].strip()) for m in prompt
+        ]:
+            return value[len(prompt) :]
+    return value
 
 
 def split_hh_dialogue(text: str, field_name: str) -> list[Message]:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from data_prep.columns import AS_GIVEN, ColumnMap
 from data_prep.preference_rows import PreferencePair, parse_preference_row
 from data_prep.sources import DataError
 from data_prep.splits import (
@@ -70,9 +71,16 @@ class Row:
     rejected_tokens: int
 
 
-def read_pairs(inputs: Sequence[str], split: str, skip_invalid: bool, tally: Tally) -> list[tuple[str, PreferencePair]]:
-    """Parse every input row; malformed rows raise DataError unless ``skip_invalid``."""
-    return read_rows(inputs, split, skip_invalid, tally, parse_preference_row)
+def read_pairs(
+    inputs: Sequence[str],
+    split: str,
+    skip_invalid: bool,
+    tally: Tally,
+    columns: ColumnMap = AS_GIVEN,
+    config_name: str | None = None,
+) -> list[tuple[str, PreferencePair]]:
+    """Parse every input row (its columns mapped first); malformed rows raise DataError unless ``skip_invalid``."""
+    return read_rows(inputs, split, skip_invalid, tally, parse_preference_row, columns, config_name)
 
 
 def measure_and_filter(
@@ -167,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     tally = Tally()
     try:
-        pairs = read_pairs(args.input, args.split, args.skip_invalid, tally)
+        pairs = read_pairs(args.input, args.split, args.skip_invalid, tally, args.columns, args.config_name)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -171,7 +171,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     tally = Tally()
     try:
-        parsed = read_rows(args.input, args.split, args.skip_invalid, tally, prompt_row_parser(args.fields))
+        parsed = read_rows(
+            args.input,
+            args.split,
+            args.skip_invalid,
+            tally,
+            prompt_row_parser(args.fields),
+            args.columns,
+            args.config_name,
+        )
         parsed, types = field_types(drop_repeated_prompts(parsed, tally), args.skip_invalid, tally)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)

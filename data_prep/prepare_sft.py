@@ -57,7 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     tally = Tally()
     try:
-        parsed = read_rows(args.input, args.split, args.skip_invalid, tally, parse_conversation_row)
+        parsed = read_rows(
+            args.input, args.split, args.skip_invalid, tally, parse_conversation_row, args.columns, args.config_name
+        )
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -33,10 +33,11 @@ class BadJSON:
     error: str
 
 
-def iter_rows(source: str, split: str = "train") -> Iterator[tuple[str, Any]]:
+def iter_rows(source: str, split: str = "train", config_name: str | None = None) -> Iterator[tuple[str, Any]]:
     """Yield ``(location, row)`` for every row of a file or dataset, in order.
 
-    ``split`` is used only for `datasets` names and `DatasetDict` directories.
+    ``split`` is used only for `datasets` names and directories, ``config_name`` (a dataset's
+    configuration, e.g. GSM8K's ``main``) only for those `load_dataset` reads.
     """
     if source.endswith(FILE_SUFFIXES) and not os.path.isfile(source):
         raise DataError(f"{source}: no such file")
@@ -49,7 +50,7 @@ def iter_rows(source: str, split: str = "train") -> Iterator[tuple[str, Any]]:
     elif os.path.isfile(source):
         raise DataError(f"{source}: unsupported file type (use .jsonl, .jsonl.gz, .json or .parquet)")
     else:
-        yield from _iter_datasets(source, split)
+        yield from _iter_datasets(source, split, config_name)
 
 
 def _iter_jsonl(path: str) -> Iterator[tuple[str, Any]]:
@@ -106,14 +107,18 @@ def _iter_parquet(path: str) -> Iterator[tuple[str, Any]]:
             yield f"{path}[row {row_no}]", row
 
 
-def _iter_datasets(source: str, split: str) -> Iterator[tuple[str, Any]]:
+def _iter_datasets(source: str, split: str, config_name: str | None) -> Iterator[tuple[str, Any]]:
     import datasets  # imported lazily: slow to import and only needed for this input kind
 
-    if os.path.isdir(source) and os.path.exists(os.path.join(source, "dataset_dict.json")):
-        dataset = datasets.load_from_disk(source)[split]
-    elif os.path.isdir(source) and os.path.exists(os.path.join(source, "dataset_info.json")):
-        dataset = datasets.load_from_disk(source)
-    else:
-        dataset = datasets.load_dataset(source, split=split)
+    try:
+        if os.path.isdir(source) and os.path.exists(os.path.join(source, "dataset_dict.json")):
+            dataset = datasets.load_from_disk(source)[split]
+        elif os.path.isdir(source) and os.path.exists(os.path.join(source, "dataset_info.json")):
+            dataset = datasets.load_from_disk(source)
+        else:
+            dataset = datasets.load_dataset(source, config_name, split=split)
+    except Exception as e:  # datasets raises many kinds (missing split or config, bad files, no hub access)
+        where = f" (configuration {config_name!r}, split {split!r})" if config_name else f" (split {split!r})"
+        raise DataError(f"{source}{where}: not readable as a datasets name or directory: {e}") from None
     for row_no, row in enumerate(dataset, start=1):
         yield f"{source}[{split} row {row_no}]", row

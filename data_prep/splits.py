@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from data_prep.columns import AS_GIVEN, ColumnMap, add_column_arguments, column_map
 from data_prep.preference_rows import DroppedRow, InvalidRow, Message
 from data_prep.sources import DataError, iter_rows
 
@@ -36,16 +37,23 @@ class Tally:
 
 
 def read_rows(
-    inputs: Sequence[str], split: str, skip_invalid: bool, tally: Tally, parse: Callable[[Any], T]
+    inputs: Sequence[str],
+    split: str,
+    skip_invalid: bool,
+    tally: Tally,
+    parse: Callable[[Any], T],
+    columns: ColumnMap = AS_GIVEN,
+    config_name: str | None = None,
 ) -> list[tuple[str, T]]:
-    """``(location, parse(row))`` of every input row; malformed rows raise DataError unless
-    ``skip_invalid``; dropped and skipped rows are counted by reason."""
+    """``(location, parse(row))`` of every input row, its columns mapped first (``columns``); malformed
+    rows raise DataError unless ``skip_invalid``, a bad mapping always; dropped and skipped rows are
+    counted by reason. ``split`` and ``config_name``: of a `datasets` name or directory."""
     parsed = []
     for source in inputs:
-        for location, raw in iter_rows(source, split):
+        for location, raw in iter_rows(source, split, config_name):
             tally.read += 1
             try:
-                parsed.append((location, parse(raw)))
+                parsed.append((location, parse(columns.apply(location, raw))))
             except DroppedRow as e:
                 tally.dropped[e.reason] += 1
             except InvalidRow as e:
@@ -114,6 +122,7 @@ def add_input_arguments(parser: argparse.ArgumentParser, what: str) -> None:
         help="file (.jsonl/.jsonl.gz/.json/.parquet) or datasets name/path; repeatable",
     )
     parser.add_argument("--split", default="train", help="split to read from a datasets name/path")
+    parser.add_argument("--config-name", help="configuration of a datasets name/path (GSM8K: main)")
     parser.add_argument(
         "--tokenizer", required=True, help=f"tokenizer (model dir) whose chat template renders the {what}"
     )
@@ -128,10 +137,12 @@ def add_input_arguments(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument(
         "--skip-invalid", action="store_true", help="skip malformed rows (counted by reason) instead of failing"
     )
+    add_column_arguments(parser)
 
 
 def parse_input_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not 0.0 <= args.validation_fraction <= 1.0:
         parser.error(f"--validation-fraction must be in [0, 1], got {args.validation_fraction}")
+    args.columns = column_map(parser, args)
     return args
