@@ -24,8 +24,10 @@ from fastapi import FastAPI, Response
 from transformers import AutoModelForTokenClassification, AutoTokenizer
 
 from engine.data.chat import tokenize_pairs
+from engine.rewards.components import RewardComponents, RewardsUnavailable, ScoringBatch
 from engine.rewards.remote import RewardServerClient, RewardServerError, ScoreItem, check_components
 from engine.rewards.server import build_app, main
+from engine.run_config.rewards import RewardsSection
 
 REPO = Path(__file__).resolve().parent.parent
 RIVER = [{"role": "user", "content": "Describe the river."}]
@@ -252,3 +254,26 @@ def test_check_components_names_the_missing_and_the_served():
     )
     with pytest.raises(ValueError, match="clash"):
         build_app([ConstantScorer(["math"], 0.0), ConstantScorer(["math"], 1.0)])
+
+
+class ForgetfulScorer(ConstantScorer):
+    """Serves its components but leaves the last one out of its answers."""
+
+    def score(self, items):
+        return {name: [self.value] * len(items) for name in self.names[:-1]}
+
+
+def test_a_reply_without_a_requested_component_is_a_clean_stop_naming_it():
+    app = build_app([ForgetfulScorer(["helpful", "harmless"], 0.25)])
+    with in_thread(app) as url:
+        section = RewardsSection.model_validate(
+            {"remote": {"url": url, "components": {"helpful": 1.0, "harmless": 1.0}}}
+        )
+        components = RewardComponents(section, max_new_tokens=16)
+        try:
+            components.check()  # the server lists both
+            batch = ScoringBatch([i.prompt for i in ITEMS[:2]], [i.response for i in ITEMS[:2]], [4, 4], [{}, {}])
+            with pytest.raises(RewardsUnavailable, match=r"without 2 scores of component\(s\) \['harmless'\]"):
+                components.score(batch)
+        finally:
+            components.close()

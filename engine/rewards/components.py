@@ -136,6 +136,12 @@ class RewardComponents:
             served = self.client.score(items)
         except RewardServerError as e:
             raise RewardsUnavailable(str(e)) from None
+        absent = [c for c in remote.components if len(served.get(c) or []) != len(items)]
+        if absent:  # every rank stops at the scorer's agreement (engine/ppo/rewards.py), none waits alone
+            raise RewardsUnavailable(
+                f"the reward server at {remote.url} answered without {len(items)} scores of component(s) {absent} "
+                f"(it answered {sorted(served)})"
+            )
         scores = {}
         for component in remote.components:
             values = served[component]
