@@ -299,3 +299,33 @@ def test_a_checkpoint_that_would_run_code_is_refused(deepspeed_ready, tmp_path):
     ):
         start(resumed, make_engine(1))
     assert not marker.exists()
+
+
+def test_an_error_exit_whose_checkpoint_fails_too_names_both_and_closes(deepspeed_ready, tmp_path, monkeypatch, capsys):
+    """finish_with_checkpoint (a reward outage, a weight-sync failure): one message, no traceback,
+    everything registered with at_finish closed, whether the save works or not."""
+    from engine.run.checkpoint import CheckpointWriteError
+
+    engine, closed = make_engine(0), []
+    run = make_run(tmp_path / "run")
+    run.at_finish(lambda: closed.append("sampler"))
+    start(run, engine)
+    train_step(run, engine)
+
+    def disk_full(*args, **kwargs):
+        raise CheckpointWriteError("no space left on device")
+
+    monkeypatch.setattr(lifecycle, "save_checkpoint", disk_full)
+    assert run.finish_with_checkpoint(2, "reward error: the server is down", "; resume") == 2
+    said = capsys.readouterr().err
+    assert said.startswith("reward error: the server is down\nno checkpoint of this step: checkpoint error: ")
+    assert "no space left on device" in said and closed == ["sampler"]
+    monkeypatch.undo()
+    run = make_run(tmp_path / "run", resume=False, overwrite=True)
+    start(run, engine)
+    train_step(run, engine)
+    assert run.finish_with_checkpoint(2, "weight sync error: CRC", "; resume") == 2
+    assert (
+        capsys.readouterr().err
+        == f"weight sync error: CRC\ncheckpoint {tmp_path / 'run' / 'checkpoints' / 'step00000001'}; resume\n"
+    )

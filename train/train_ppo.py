@@ -304,11 +304,9 @@ def main() -> int:
     except RunEnded as end:
         return run.finish(end.code, str(end))
     except RewardsUnavailable as e:  # raised before an update or after a whole iteration: a step boundary
-        return run.finish(
-            2, f"reward error: {e}\ncheckpoint {run.save()}; continue with the same command plus --resume"
-        )
+        return run.finish_with_checkpoint(2, f"reward error: {e}", "; continue with the same command plus --resume")
     except WeightSyncFailed as e:  # read with a batch, before it is trained on: a step boundary
-        return run.finish(2, f"weight sync error: {e}\ncheckpoint {run.save()}")
+        return run.finish_with_checkpoint(2, f"weight sync error: {e}")
     save_hf_model(engines.actor, tokenizer, os.path.join(out, "actor"))
     summary = (
         f"ppo {f'finished with {monitor.summary()};' if monitor.raised else 'done:'} {iterations} iterations, "

@@ -339,6 +339,16 @@ class RunLifecycle:
         )
 
     # --- the end -------------------------------------------------------------------------------
+    def finish_with_checkpoint(self, code: int, reason: str, resume_hint: str = "") -> int:
+        """End the run on an error at a step boundary after saving a checkpoint: ``reason``, then the
+        checkpoint (and ``resume_hint``). A save that fails too ends it the same way, naming both
+        failures; either way :meth:`finish` closes everything."""
+        try:
+            path = self.save()
+        except RunEnded as failed:
+            return self.finish(failed.code, f"{reason}\nno checkpoint of this step: {failed}")
+        return self.finish(code, f"{reason}\ncheckpoint {path}{resume_hint}")
+
     def finish(self, code: int, message: str) -> int:
         """End the run (done, stopped or aborted): close the bar, the sinks and what :meth:`at_finish`
         registered; rank 0 prints ``message`` (to stderr when ``code`` is an error) and writes the
