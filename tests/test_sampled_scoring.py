@@ -80,7 +80,7 @@ def test_the_reward_model_reads_the_sampled_ids(process_group, tiny_model_dir, a
     prompt_rows, full_rows = tokenize_pairs(tok, [PROMPT], ["The garden is lovely and calm."])
     check_closings(tok, full_rows)
     assert full_rows[0] == sampled_conversation(
-        prompt_rows[0], full_rows[0][len(prompt_rows[0]) : -len(closing)], False, closing
+        prompt_rows[0], full_rows[0][len(prompt_rows[0]) : -len(closing)], closing
     )
     assert full_rows[0] == full[0]  # the SFT-shaped sample reads exactly as its training pair
     with pytest.raises(TemplateMismatch, match="closing of an assistant turn"):

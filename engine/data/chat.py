@@ -94,14 +94,18 @@ def check_closings(tokenizer: PreTrainedTokenizerBase, full_ids: Sequence[list[i
             )
 
 
-def sampled_conversation(
-    prompt_ids: Sequence[int], response_ids: Sequence[int], finished: bool, closing: Sequence[int]
-) -> list[int]:
-    """The ids a reward model reads of a sampled response: the prompt's, the response's as sampled
-    (the stop token dropped when it ``finished``), then the template's closing (:func:`closing_ids`):
-    the layout :func:`tokenize_pairs` gives its training pairs, whatever re-rendering would change."""
-    content = response_ids[:-1] if finished else response_ids
-    return [*prompt_ids, *content, *closing]
+def sampled_conversation(prompt_ids: Sequence[int], content_ids: Sequence[int], closing: Sequence[int]) -> list[int]:
+    """The ids a reward model reads of a sampled response: the prompt's as sampled, the response's
+    content (:func:`content_ids`), then the template's closing (:func:`closing_ids`): the layout
+    :func:`tokenize_pairs` gives its training pairs, with no re-rendering of the template around it."""
+    return [*prompt_ids, *content_ids, *closing]
+
+
+def content_ids(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[list[int]]:
+    """Each response's decoded text encoded on its own: its sampled ids, except where the policy
+    sampled a split the tokenizer never makes or a special token inside the response (decoding skips
+    it); those read as the training pairs have such text."""
+    return tokenizer(list(texts), add_special_tokens=False)["input_ids"] if texts else []
 
 
 def shares_template(policy: PreTrainedTokenizerBase, reader: PreTrainedTokenizerBase) -> bool:
@@ -122,7 +126,7 @@ def rerendering_difference(tokenizer: PreTrainedTokenizerBase, prompt: Sequence[
     content = rendered[prompt_len : len(rendered) - len(closing)]
     prompt_ids = rendered[:prompt_len]
     for sampled in (content, content + tokenizer("\n", add_special_tokens=False)["input_ids"]):
-        ids = sampled_conversation(prompt_ids, sampled, False, closing)
+        ids = sampled_conversation(prompt_ids, sampled, closing)
         text = str(tokenizer.decode(sampled, skip_special_tokens=True))
         again = tokenizer(render_conversation(tokenizer, prompt, text), add_special_tokens=False)["input_ids"]
         if again != ids:

@@ -15,7 +15,14 @@ from typing import Any, NamedTuple
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from engine.data.chat import Message, closing_ids, sampled_conversation, shares_template, tokenize_pairs
+from engine.data.chat import (
+    Message,
+    closing_ids,
+    content_ids,
+    sampled_conversation,
+    shares_template,
+    tokenize_pairs,
+)
 from engine.data.packing import last_token, packed_forward
 from engine.data.prompts import Prompt
 from engine.ppo.forwards import map_micro_batches
@@ -46,9 +53,10 @@ class SampledResponses(NamedTuple):
 class RewardModelScorer:
     """The frozen reward model's heads and their normalised, weighted total.
 
-    A reward model that shares the policy's tokenizer and chat template reads the sampled ids
-    (:func:`engine.data.chat.sampled_conversation`: the layout of its training pairs); one with
-    another tokenizer or template reads the decoded text rendered through its own template."""
+    A reward model that shares the policy's tokenizer and chat template reads the prompt's sampled
+    ids, the response's content ids and the template's closing (:func:`engine.data.chat.sampled_conversation`:
+    the layout of its training pairs, no re-rendering); one with another tokenizer or template reads
+    the decoded text rendered through its own template."""
 
     def __init__(
         self,
@@ -79,8 +87,8 @@ class RewardModelScorer:
     def inputs(self, responses: SampledResponses) -> tuple[list[list[int]], list[int]]:
         """The ids the reward model reads of each response, and its prompt's length."""
         if self.closing is not None:
-            closing = self.closing
-            full = [sampled_conversation(s.prompt_ids, s.response_ids, s.finished, closing) for s in responses.samples]
+            contents = content_ids(self.tokenizer, responses.texts)
+            full = [sampled_conversation(s.prompt_ids, c, self.closing) for s, c in zip(responses.samples, contents)]
             return full, [len(s.prompt_ids) for s in responses.samples]
         prompt_ids, full = tokenize_pairs(self.tokenizer, responses.prompts, responses.texts)
         return full, [len(p) for p in prompt_ids]
