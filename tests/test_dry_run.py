@@ -99,20 +99,13 @@ def test_the_memory_total_of_a_llama_3_8b_run_and_whether_it_fits(tmp_path):
     share of the device, the peak (vLLM asleep while the trainers train) and the verdict."""
     from types import SimpleNamespace
 
+    from real_shape import LLAMA_3_8B
     from transformers import LlamaConfig
 
     from engine.models.deepspeed_glue import training_ds_config
     from engine.run.memory_budget import DeviceBudget, activation_bytes, print_models
 
-    LlamaConfig(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        architectures=["LlamaForCausalLM"],
-    ).save_pretrained(tmp_path)
+    LLAMA_3_8B.save_pretrained(tmp_path)
     model = SimpleNamespace(path=str(tmp_path), trust_remote_code=False, bf16=True, gradient_checkpointing=False)
     ds_config = training_ds_config(json.loads((REPO / "ds_configs" / "zero3.json").read_text()), True)
     path = str(tmp_path)
