@@ -152,3 +152,24 @@ def test_launched_scripts_are_recipes():
             n.name for n in ast.walk(main) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n is not main
         ]
         assert not nested, f"{path.name}: functions defined inside main(): {nested}"
+
+
+TENSOR_COLLECTIVES = {"all_reduce", "broadcast", "all_gather", "reduce", "gather", "scatter", "reduce_scatter"}
+
+
+def test_tensor_collectives_go_through_the_distributed_module():
+    """NCCL refuses a CPU tensor ("No backend type associated with device type cpu"), which gloo
+    takes: a collective called on our CPU-side tensors anywhere but engine/run/distributed.py
+    passes every CPU test and kills the first GPU run (a checkpoint timer did, at step 1)."""
+    home = REPO / "engine" / "run" / "distributed.py"
+    calls = [
+        f"{path.relative_to(REPO)}:{node.lineno}"
+        for path in sources()
+        if path != home
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in TENSOR_COLLECTIVES
+        and ast.unparse(node.func.value) in ("torch.distributed", "dist")
+    ]
+    assert not calls, f"tensor collectives outside {home.relative_to(REPO)} (use its all_reduce/agree_max): {calls}"

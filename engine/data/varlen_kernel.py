@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,9 +88,16 @@ def varlen_kernel(device: torch.device, dtype: torch.dtype) -> Kernel | None:
     except ImportError:
         return None
 
+    accepts = inspect.signature(varlen_attn).parameters  # torch 2.11 has neither enable_gqa nor window_size
+    causal = {"window_size": (-1, 0)} if "window_size" in accepts else {"is_causal": True}
+
     def torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
-        gqa = k.shape[1] != q.shape[1]
-        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0), enable_gqa=gqa)
+        options = dict(causal)
+        if k.shape[1] != q.shape[1] and "enable_gqa" in accepts:
+            options["enable_gqa"] = True
+        elif k.shape[1] != q.shape[1]:  # grouped-query heads repeated to the query's
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, **options)
 
     return torch_varlen
 

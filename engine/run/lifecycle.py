@@ -49,6 +49,7 @@ from engine.run.checkpoint import (
     rewind_to,
     save_checkpoint,
 )
+from engine.run.distributed import agree_max
 from engine.run.guards import NonFiniteGuard, RollbackGuard, TrainingAborted
 from engine.run.launch import GracefulStop, RunArgs, RunRefused
 from engine.run.output_dir import check_output_dir, remove_run
@@ -276,13 +277,11 @@ class RunLifecycle:
             )
 
     def _minutes_passed(self) -> bool:
-        """Whether ``every_minutes`` have passed since the last save, by rank 0's clock (a collective:
-        every rank saves at the same step)."""
+        """Whether ``every_minutes`` have passed since the last save by any rank's clock (a
+        collective: every rank saves at the same step)."""
         if not self.every_minutes:
             return False
-        due = torch.tensor([float(time.monotonic() - self.saved_at >= 60 * self.every_minutes)])
-        torch.distributed.broadcast(due, 0)
-        return bool(due.item())
+        return bool(agree_max(int(time.monotonic() - self.saved_at >= 60 * self.every_minutes)))
 
     def first_evaluation(self, reward: float) -> None:
         """The starting point's held-out reward: the first best, and with rollback on, the first

@@ -4,7 +4,8 @@
 # 1. tests/gpu/device_checks.py: packed log-probs/values on cuda equal the CPU ones and their
 #    gradients reach the GPU weights, NCCL reduces CPU tensors, HF generate on cuda, RNG state.
 # 2. train_rm.py (bf16, ZeRO-3) and train_ppo.py (bf16, ZeRO-3, HF sampler) under the deepspeed
-#    launcher, then a PPO resume from the iteration-3 checkpoint compared with the straight run.
+#    launcher, then a PPO resume from the iteration-3 checkpoint compared with the straight run,
+#    and 3 iterations sampled at T = 0.7 (the sampler/trainer log-prob gap, in temperature.log).
 # 3. Figures: torch's varlen attention against our packed path (tests/gpu/varlen_attention.py) and
 #    where a training step's time goes for a ~104M-parameter random Llama (tests/gpu/step_costs.py).
 #    The PPO metrics carry peak GPU memory and the bf16 sampler/trainer log-prob gap.
@@ -16,7 +17,7 @@ set -euo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 launcher=(python3 /tmp/site/bin/deepspeed --num_gpus 1)
-w=/tmp/gpu_check; out=${OUT:-$w/out}; mkdir -p "$w" "$out"
+w=/tmp/gpu_check; out=${OUT:-$w/out}; rm -rf "$w"; mkdir -p "$w" "$out"  # a warm machine keeps the last try's runs
 nvidia-smi -L; python3 -c "import torch, deepspeed, transformers; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__)"
 
 python3 -m data_prep.synthetic_task --out $w/pairs.jsonl --num-pairs 2000 --seed 0
@@ -35,7 +36,12 @@ ppo=(train/train_ppo.py --config ds_configs/demo_ppo.json --actor.path $w/tiny -
      --rollout.sampler hf --train.iterations 6 --train.eval_every 3 --checkpoint.every_steps 3 "${common[@]}")
 "${launcher[@]}" "${ppo[@]}" --logging.output_dir $w/ppo 2>&1 | tee $out/ppo.log | tail -5
 cp -r $w/ppo $w/ppo_resumed  # holds checkpoints/step00000003; the resume rewinds the logs to it
-"${launcher[@]}" "${ppo[@]}" --logging.output_dir $w/ppo_resumed --resume 2>&1 | tee $out/ppo_resumed.log | tail -5
+"${launcher[@]}" "${ppo[@]}" --logging.output_dir $w/ppo_resumed --resume 2>&1 | tee -a $out/ppo.log | tail -5
+# Sampling at T = 0.7: the trainer's tempered log-probs against the sampler's (ppo/sampler_logprob_gap).
+"${launcher[@]}" "${ppo[@]}" --logging.output_dir $w/ppo_t07 --rollout.temperature 0.7 --train.iterations 3 \
+    2>&1 | tee -a $out/ppo.log | tail -3 || status=1
+python3 -c "import json,sys; [print('T=0.7', r['step'], 'sampler_logprob_gap', r.get('ppo/sampler_logprob_gap'), 'kl', r['ppo/kl']) for r in map(json.loads, open(sys.argv[1])) if 'ppo/kl' in r]" \
+    $w/ppo_t07/metrics.jsonl 2>&1 | tee $out/temperature.log || status=1
 cp $w/rm/metrics.jsonl $out/rm_metrics.jsonl; cp $w/ppo/metrics.jsonl $out/ppo_metrics.jsonl
 python3 - $w/ppo/metrics.jsonl $w/ppo_resumed/metrics.jsonl <<'PY' 2>&1 | tee $out/resume.log || status=1
 import json, sys
