@@ -156,6 +156,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--multiplication", action="store_true", help="half the problems start with a product")
     parser.add_argument("--max-factor", type=int, default=5, help="largest factor of a product")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--layout",
+        choices=["task", "gsm8k"],
+        default="task",
+        help="gsm8k: train.jsonl (--num-train problems) and test.jsonl (the held-out ones) as GSM8K has them: "
+        "question, and answer = a right worked solution ending '#### N'",
+    )
     args = parser.parse_args(argv)
     if not 0.0 <= args.demonstration_accuracy <= 1.0:
         parser.error(f"--demonstration-accuracy must be in [0, 1], got {args.demonstration_accuracy}")
@@ -184,6 +191,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
+    if args.layout == "gsm8k":
+        for name, problems in (("train", train), ("test", evaluation)):
+            rows = [{"question": p.text, "answer": worked_answer(p, rng, True, args.offsets)} for p in problems]
+            write_rows(os.path.join(args.out, f"{name}.jsonl"), rows)
+        print(f"wrote {args.out}/{{train,test}}.jsonl (GSM8K layout): {len(train)} and {len(evaluation)} problems")
+        return 0
     write_rows(os.path.join(args.out, "prompts.jsonl"), [{"prompt": p.text, "answer": str(p.answer)} for p in train])
     write_rows(
         os.path.join(args.out, "eval_prompts.jsonl"), [{"prompt": p.text, "answer": str(p.answer)} for p in evaluation]

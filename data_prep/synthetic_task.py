@@ -108,6 +108,18 @@ def sample_demonstration(rng: random.Random) -> dict:
     }
 
 
+def ultrafeedback_row(pair: dict) -> dict:
+    """A pair in the UltraFeedback-binarized layout: each side a whole conversation, with scores."""
+    turn = [{"role": "user", "content": pair["prompt"]}]
+    return {
+        "prompt": pair["prompt"],
+        "chosen": [*turn, {"role": "assistant", "content": pair["chosen"]}],
+        "rejected": [*turn, {"role": "assistant", "content": pair["rejected"]}],
+        "score_chosen": float(total_score(pair["chosen"], prompt_topic(pair["prompt"]))),
+        "score_rejected": float(total_score(pair["rejected"], prompt_topic(pair["prompt"]))),
+    }
+
+
 def write_rows(path: str, rows: Sequence[dict]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
@@ -123,9 +135,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--demonstrations-out", help="also write prompt/response rows for supervised fine-tuning here (.jsonl)"
     )
     parser.add_argument("--num-demonstrations", type=int, default=2000)
+    parser.add_argument(
+        "--layout",
+        choices=["pairs", "ultrafeedback"],
+        default="pairs",
+        help="ultrafeedback: the pairs as UltraFeedback-binarized rows (conversations with scores, no components)",
+    )
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
-    write_rows(args.out, [sample_pair(rng) for _ in range(args.num_pairs)])
+    pairs = [sample_pair(rng) for _ in range(args.num_pairs)]
+    write_rows(args.out, [ultrafeedback_row(p) for p in pairs] if args.layout == "ultrafeedback" else pairs)
     print(f"wrote {args.num_pairs} synthetic pairs to {args.out}")
     if args.demonstrations_out:
         rng = random.Random(f"demonstrations-{args.seed}")

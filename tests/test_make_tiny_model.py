@@ -70,3 +70,13 @@ def test_vllm_cpu_greedy_equals_hf_greedy(tiny_model_dir):
     out = json.loads(line)
     assert all(len(ids) > 0 for ids in out["vllm"])
     assert out["vllm"] == out["hf"]  # fp32: token for token
+
+
+def test_an_unreadable_text_source_is_refused_by_name(tmp_path, capsys):
+    from data_prep import make_tiny_model
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a data file")
+    assert make_tiny_model.main(["--text", str(notes), "--out", str(tmp_path / "model")]) == 2
+    assert f"error: {notes}: unsupported file type" in capsys.readouterr().err
+    assert not (tmp_path / "model").exists()

@@ -177,6 +177,8 @@ def test_a_function_that_cannot_be_called_is_refused_by_its_key(user_functions):
         components = RewardComponents(section, max_new_tokens=16)
         with pytest.raises(RewardsConfigError, match=rf"'rewards.functions.mine.function': .*{error}"):
             components.check()
+        with pytest.raises(RewardsConfigError, match=r"'judge.rewards.functions.mine.function': "):
+            components.check("judge.rewards")  # a judge's section is named as such
         components.close()
 
 

@@ -4,13 +4,14 @@ config example dry-runs on the demo data those commands prepared, its values sho
 and the same example with a misspelled key is refused.
 
 The README's first block (`make setup`, `make demo`, `make test`) is CI itself (.ci/run runs setup
-and test) and the demo. The README's other blocks (the demo step by step) run first, then the
-pages of docs/ in DOCS_ORDER (later guides use the demo's data and models); a guide's command that
-repeats one already run is not run again; the arithmetic task's commands run in a lane of their own
-beside the others, and every launch on a free port; a lane's plain `python` commands share one
-interpreter (tests/scripts/python_commands.py), each run as `python` would run it. Training
-commands run shortened (`--train.max_steps 2`, `--train.iterations 1` appended: the full runs are
-the demo and the end-to-end tests); the guides prefer `--dry-run` where a full run adds nothing.
+and test) and the demo. Its other blocks, if any, run first, then the pages of docs/ in
+DOCS_ORDER (demo.md makes the demo's data and models, which later guides use); a guide's command
+that repeats one already run is not run again; the arithmetic task's and docs/own-model.md's
+commands run in a lane of their own beside the others, and every launch on a free port; a lane's
+plain `python` commands share one interpreter (tests/scripts/python_commands.py), each run as
+`python` would run it. Training commands run shortened (`--train.max_steps 2`, `--train.iterations
+1` appended: the full runs are the demo and the end-to-end tests); the guides prefer `--dry-run`
+where a full run adds nothing.
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ SHORTER = {
 # The order the shell blocks of docs/ run in, after the README's: the order of docs/README.md's index.
 DOCS_ORDER = [
     "README.md",
+    "install.md",
+    "demo.md",
     "data.md",
+    "own-model.md",
     "configs.md",
     "configuration.md",
     "sft.md",
@@ -57,7 +61,13 @@ DOCS_ORDER = [
     "run-directory.md",
     "benchmarks.md",
     "design.md",
+    "troubleshooting.md",
+    "metrics.md",
+    "development.md",
 ]
+# Commands that share no file with the demo's run in a second lane beside it: the arithmetic task's and
+# the own-model walk-through's (docs/own-model.md).
+SECOND_LANE = ("arithmetic", "runs/own/")
 EXAMPLE_SCRIPTS = {
     "docs/sft.md": "train/train_sft.py",
     "docs/reward-model.md": "train/train_rm.py",
@@ -186,11 +196,11 @@ def run_lane(root: Path, env: dict[str, str], lane: list[tuple[str, str]]) -> No
 @pytest.fixture(scope="module")
 def ran_readme(clone):
     """Every command, in page order; a command repeating an earlier one (a guide repeating the demo's
-    step) is not run again. The arithmetic task's commands, which share no file with the others,
+    step) is not run again. The commands of SECOND_LANE, which share no file with the others,
     run in a second lane beside them (two processes at a time: the machine's two cores)."""
     root, env = clone
     readme_blocks = fenced_blocks(REPO / "README.md", "bash")
-    assert readme_blocks[0].startswith("make setup") and len(readme_blocks) >= 2
+    assert readme_blocks[0].startswith("make setup")
     blocks = [("README.md", block) for block in readme_blocks[1:]]
     blocks += [(f"docs/{page.name}", block) for page in pages()[1:] for block in fenced_blocks(page, "bash")]
     ran = [(page, command) for page, block in blocks for command in shell_commands(block)]
@@ -198,7 +208,7 @@ def ran_readme(clone):
     for page, command in ran:
         if all(command != done for _, done in firsts):
             firsts.append((page, command))
-    lanes = [[pc for pc in firsts if ("arithmetic" in pc[1]) == second] for second in (False, True)]
+    lanes = [[pc for pc in firsts if any(s in pc[1] for s in SECOND_LANE) == second] for second in (False, True)]
     with ThreadPoolExecutor(len(lanes)) as pool:
         for lane in [pool.submit(run_lane, root, env, lane) for lane in lanes]:
             lane.result()
@@ -207,14 +217,27 @@ def ran_readme(clone):
 
 def test_every_shell_command_runs_as_written(ran_readme):
     root, _, ran = ran_readme
-    assert any("train/train_ppo.py" in c and "--dry-run" not in c for page, c in ran if page == "README.md")
+    assert any("train/train_ppo.py" in c and "--dry-run" not in c for page, c in ran if page == "docs/demo.md")
     guides = {page for page, _ in ran if page != "README.md"}
-    assert {"docs/data.md", "docs/sft.md", "docs/reward-model.md", "docs/ppo.md", "docs/lora.md"} <= guides
+    assert {
+        "docs/data.md",
+        "docs/own-model.md",
+        "docs/sft.md",
+        "docs/reward-model.md",
+        "docs/ppo.md",
+        "docs/lora.md",
+    } <= guides
+    assert '"Qwen2ForCausalLM"' in (root / "runs/own/model/config.json").read_text()
     for made in (
         "runs/demo/sft/model/model.safetensors",
         "runs/demo/rm/model/reward_stats.json",
         "runs/demo/ppo/actor/model.safetensors",
         "runs/demo/ppo/report.html",
+        # a Qwen2-architecture model and UltraFeedback / GSM8K layouts, as a user brings them
+        "runs/own/model/config.json",
+        "runs/own/rm/model/reward_stats.json",
+        "runs/own/dpo/model/model.safetensors",
+        "runs/own/grpo/actor/model.safetensors",
     ):
         assert (root / made).is_file(), made
 
@@ -273,3 +296,27 @@ def test_every_config_example_dry_runs_with_its_values_and_refuses_a_misspelled_
         (root / f"typo{i}.json").write_text(json.dumps(typo_config))
         with pytest.raises(ConfigError, match=rf"unknown key 'train.{typo}'.*did you mean '{key}'"):
             load_config(SCRIPT_CONFIGS[Path(script).stem], str(root / f"typo{i}.json"))
+
+
+def heading_anchors(page: Path) -> set[str]:
+    """The #anchors GitHub gives a page's headings."""
+    return {
+        re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+        for line in page.read_text().splitlines()
+        if line.startswith("#")
+    }
+
+
+def test_every_link_between_pages_resolves():
+    """A relative link of the README or a guide names a file that exists, and a heading of it where
+    it names an #anchor (a page moved or a heading renamed breaks no link)."""
+    broken = []
+    for page in [*pages(), REPO / "ds_configs" / "examples" / "README.md"]:
+        for link in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            path, _, anchor = link.partition("#")
+            if link.startswith(("http://", "https://")):
+                continue
+            target = (page.parent / path).resolve() if path else page
+            if not target.exists() or (anchor and target.suffix == ".md" and anchor not in heading_anchors(target)):
+                broken.append(f"{page.relative_to(REPO)}: {link}")
+    assert not broken, broken

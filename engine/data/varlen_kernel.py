@@ -23,6 +23,7 @@ import inspect
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -88,8 +89,8 @@ def varlen_kernel(device: torch.device, dtype: torch.dtype) -> Kernel | None:
     except ImportError:
         return None
 
-    accepts = inspect.signature(varlen_attn).parameters  # torch 2.11 has neither enable_gqa nor window_size
-    causal = {"window_size": (-1, 0)} if "window_size" in accepts else {"is_causal": True}
+    accepts = inspect.signature(varlen_attn).parameters  # torch 2.11's has no enable_gqa
+    causal: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in accepts else {"is_causal": True}
 
     def torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
         options = dict(causal)

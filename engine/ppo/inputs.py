@@ -92,14 +92,15 @@ def reward_model_inputs(tokenizers: Tokenizers, prompt: list[Message]) -> list[s
     return lines
 
 
-def started_components(cfg: PPOConfig, section: RewardsSection | None) -> RewardComponents | None:
-    """A rewards section's components, their worker pool started and checked (functions import and
-    take their arguments, the server serves the components named); None without components."""
+def started_components(cfg: PPOConfig, section: RewardsSection | None, key: str = "rewards") -> RewardComponents | None:
+    """A rewards section's components (the section at dotted ``key``), their worker pool started and
+    checked (functions import and take their arguments, the server serves the components named);
+    None without components."""
     if section is None or not section.weights():
         return None
     components = RewardComponents(section, cfg.rollout.max_new_tokens)
     try:
-        components.check()
+        components.check(key)
     except RewardsConfigError as e:
         components.close()
         raise RunRefused("config", f"{cfg._source}: {e}") from None
@@ -110,7 +111,7 @@ def reward_components(cfg: PPOConfig) -> tuple[RewardComponents | None, RewardCo
     """The started components of the rewards section and of the judge's, before any model loads."""
     rewards = started_components(cfg, cfg.rewards)
     try:
-        return rewards, started_components(cfg, cfg.judge.rewards)
+        return rewards, started_components(cfg, cfg.judge.rewards, "judge.rewards")
     except RunRefused:
         if rewards is not None:
             rewards.close()

@@ -89,18 +89,19 @@ class RewardComponents:
     def names(self) -> list[str]:
         return list(self.weights)
 
-    def check(self) -> None:
+    def check(self, key: str = "rewards") -> None:
         """Before any model loads: every function imports and takes its arguments; the server is up
-        and serves the configured components. :class:`RewardsConfigError` naming the key if not."""
+        and serves the configured components. :class:`RewardsConfigError` naming the key (under
+        ``key``, the section's dotted path) if not."""
         for c in self.in_pool:
             if c.with_prompt and self.pool and (error := self.pool.check(c.function, 2, list(c.fields))):
-                raise RewardsConfigError(f"'rewards.functions.{c.name}.function': {error}")
+                raise RewardsConfigError(f"'{key}.functions.{c.name}.function': {error}")
         remote = self.section.remote
         if remote:
             try:
                 check_components(remote.url, list(remote.components), remote.timeout_s)
             except RewardServerError as e:
-                raise RewardsConfigError(f"'rewards.remote': {e}") from None
+                raise RewardsConfigError(f"'{key}.remote': {e}") from None
 
     def score(self, batch: ScoringBatch) -> dict[str, ComponentScores]:
         """Every component's values for ``batch``; :class:`RewardsUnavailable` when the server stays down."""

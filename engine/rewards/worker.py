@@ -44,7 +44,7 @@ def check(spec: str, positional: int, keywords: list[str]) -> None:
     try:
         inspect.signature(resolve(spec)).bind(*range(positional), **dict.fromkeys(keywords))
     except TypeError as e:
-        raise TypeError(f"{spec} cannot be called as f(prompt, response, {', '.join(keywords)}): {e}") from None
+        raise TypeError(f"{spec} cannot be called as f({', '.join(['prompt', 'response', *keywords])}): {e}") from None
 
 
 def answer(request: dict[str, Any]) -> dict[str, Any]:
