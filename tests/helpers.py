@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -104,29 +108,72 @@ def run_launched(
     return result
 
 
+class ForkingPython:
+    """``python SCRIPT args...`` run in a fork of a warm interpreter (tests/scripts/forking_python.py):
+    the same process a fresh ``python`` would make, less ~4.5 s of imports. One run at a time."""
+
+    def __init__(self):
+        self.server: subprocess.Popen | None = None
+        self.lock = threading.Lock()
+
+    def _started(self) -> subprocess.Popen:
+        if self.server is None or self.server.poll() is not None:
+            self.server = subprocess.Popen(
+                [sys.executable, str(REPO / "tests" / "scripts" / "forking_python.py")],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                cwd=REPO,
+                env={**os.environ, "OMP_NUM_THREADS": "2"},  # libgomp reads it as torch loads: the one-rank runs'
+            )
+            atexit.register(self.server.stdin.close)  # type: ignore[union-attr]  # the server then exits
+        return self.server
+
+    def run(self, argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+        with self.lock, tempfile.TemporaryDirectory() as tmp:
+            server = self._started()
+            assert server.stdin and server.stdout
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            request = {"argv": argv, "env": env, "cwd": str(REPO), "stdout": str(out), "stderr": str(err)}
+            server.stdin.write(json.dumps(request) + "\n")
+            server.stdin.flush()
+            pid = json.loads(server.stdout.readline())["pid"]
+            timer = threading.Timer(timeout, os.kill, (pid, signal.SIGKILL))
+            timer.start()
+            try:
+                rc = json.loads(server.stdout.readline())["rc"]
+            finally:
+                timer.cancel()
+            return subprocess.CompletedProcess(argv, rc, out.read_text(), err.read_text())
+
+
+FORKING_PYTHON = ForkingPython()
+
+
 def launch(
     script: str, config: Path, *extra: str, ranks: int = 1, env: dict[str, str] | None = None, check: bool = True
 ) -> subprocess.CompletedProcess:
     """``deepspeed --num_gpus ranks train/<script> --config config extra...``; one rank runs as
-    ``python train/<script> ...``, which joins a one-rank group itself (engine/run/distributed.py):
-    for one rank the launcher adds ~5 s of start-up and nothing else. The launcher's own paths are
-    tested by the runs of several ranks or nodes, the signal tests (:func:`start_launched`) and the
-    README's commands."""
+    ``python train/<script> ...`` (forked from a warm interpreter: :class:`ForkingPython`), which joins
+    a one-rank group itself (engine/run/distributed.py): for one rank the launcher adds ~5 s of
+    start-up and nothing else. The launcher's own paths are tested by the runs of several ranks or
+    nodes, the signal tests (:func:`start_launched`) and the README's commands."""
     script_cmd = [str(REPO / "train" / script), "--config", str(config), *extra]
-    if ranks == 1:
-        return run_launched([sys.executable, *script_cmd], 1, {"MASTER_PORT": str(free_port()), **(env or {})}, check)
-    return run_launched([*launcher_cmd(ranks), *script_cmd], ranks, env, check)
+    if ranks > 1:
+        return run_launched([*launcher_cmd(ranks), *script_cmd], ranks, env, check)
+    run_env = {**os.environ, "OMP_NUM_THREADS": "2", "MASTER_PORT": str(free_port()), **(env or {})}
+    result = FORKING_PYTHON.run(script_cmd, run_env, timeout=900)
+    if check:
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result
 
 
 def run_script(script: str, config: Path, *extra: str) -> subprocess.CompletedProcess:
-    """``python train/<script> --config config extra...`` (one rank) for runs that are refused before
-    training: no process group, no environment for the run."""
-    return subprocess.run(
-        [sys.executable, str(REPO / "train" / script), "--config", str(config), *extra],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
+    """``python train/<script> --config config extra...`` (one rank, forked from a warm interpreter) for
+    runs that are refused before training: no process group, no environment for the run."""
+    return FORKING_PYTHON.run(
+        [str(REPO / "train" / script), "--config", str(config), *extra], dict(os.environ), timeout=300
     )
 
 

@@ -6,12 +6,13 @@ and the same example with a misspelled key is refused.
 The README's first block (`make setup`, `make demo`, `make test`) is CI itself (.ci/run runs setup
 and test) and the demo. Its other blocks, if any, run first, then the pages of docs/ in
 DOCS_ORDER (demo.md makes the demo's data and models, which later guides use); a guide's command
-that repeats one already run is not run again; the arithmetic task's and docs/own-model.md's
-commands run in a lane of their own beside the others, and every launch on a free port; a lane's
+that repeats one already run is not run again; docs/own-model.md's commands run in a lane of their
+own beside the others (the two take about as long), and every launch on a free port; a lane's
 plain `python` commands share one interpreter (tests/scripts/python_commands.py), each run as
 `python` would run it. Training commands run shortened (`--train.max_steps 2`, `--train.iterations
 1` appended: the full runs are the demo and the end-to-end tests); the guides prefer `--dry-run`
-where a full run adds nothing.
+where a full run adds nothing. Weights & Biases is off (WANDB_MODE=disabled: its service's start and
+stop cost seconds a run; tests/test_train_rm.py checks an offline wandb run).
 """
 
 from __future__ import annotations
@@ -65,9 +66,9 @@ DOCS_ORDER = [
     "metrics.md",
     "development.md",
 ]
-# Commands that share no file with the demo's run in a second lane beside it: the arithmetic task's and
-# the own-model walk-through's (docs/own-model.md).
-SECOND_LANE = ("arithmetic", "runs/own/")
+# Commands that share no file with the others, run in a second lane beside them: the own-model
+# walk-through's (docs/own-model.md).
+SECOND_LANE = ("runs/own/",)
 EXAMPLE_SCRIPTS = {
     "docs/sft.md": "train/train_sft.py",
     "docs/reward-model.md": "train/train_rm.py",
@@ -137,6 +138,7 @@ def clone(tmp_path_factory) -> tuple[Path, dict[str, str]]:
         "PATH": f"{venv_bin}:{os.environ['PATH']}",
         "VIRTUAL_ENV": str(Path(venv_bin).parent),
         "OMP_NUM_THREADS": "2",
+        "WANDB_MODE": "disabled",
     }
     return root, env
 

@@ -62,7 +62,7 @@ def load_pairs(path: str, tokenizer, cfg: RewardModelConfig, rank: int) -> list[
 
 
 def main() -> int:
-    cfg, run_args, rank, world = start_run(RewardModelConfig, __doc__.split("\n")[0])
+    cfg, run_args, rank, world, _ = start_run(RewardModelConfig, __doc__.split("\n")[0])
     out = cfg.logging.output_dir
     ds_config = training_ds_config(cfg.deepspeed, cfg.model.bf16)
 

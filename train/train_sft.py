@@ -58,7 +58,7 @@ def load_fitting_conversations(path: str, tokenizer, max_tokens: int, rank: int)
 
 
 def main() -> int:
-    cfg, run_args, rank, world = start_run(SFTConfig, __doc__.split("\n")[0])
+    cfg, run_args, rank, world, _ = start_run(SFTConfig, __doc__.split("\n")[0])
     out, budget = cfg.logging.output_dir, cfg.train.max_tokens_per_micro_batch
     ds_config = training_ds_config(cfg.deepspeed, cfg.model.bf16)
 

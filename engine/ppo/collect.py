@@ -14,14 +14,14 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from engine.data.batching import epoch_order
 from engine.data.chat import prompt_ids
 from engine.ppo.rewards import SampledResponses
-from engine.rollout.sampler import Generated, Sample, SamplingSettings
+from engine.rollout.sampler import Generated, PendingSamples, Sample, Sampler, SamplingSettings
 from engine.run.distributed import all_reduce
 
 if TYPE_CHECKING:
@@ -48,6 +48,17 @@ class Rollout:
     prompts: list[Prompt]  # prompts[i]: sample i's prompt
     scores: torch.Tensor  # (B,)
     parts: dict[str, torch.Tensor]  # each (B,): reward/<name> for the logs
+
+
+class Collected(NamedTuple):
+    """An iteration's rollout on this rank (:meth:`RolloutCollector.collect`) and how it was made."""
+
+    rollout: Rollout
+    generate_s: float  # spent generating (on the generating ranks, for an async rollout)
+    wait_s: float  # waited for the samples (the generation itself when it is colocated)
+    score_s: float
+    generated_tokens: float  # all ranks
+    stats: dict[str, float]  # logged as ppo/<name>: staleness; with dynamic sampling the counts of collect()
 
 
 def has_signal(scores: torch.Tensor) -> bool:
@@ -77,7 +88,7 @@ class RolloutCollector:
         prompts: Sequence[Prompt],
         prompts_per_iteration: int,
         seed: int,
-        sampler,
+        sampler: Sampler,
         sampling: SamplingSettings,
         scorer: RewardScorer,
         tokenizer,
@@ -90,7 +101,8 @@ class RolloutCollector:
         self.max_rounds = max_rounds  # None: no dynamic sampling
         self.ahead = ahead  # draws asked for beyond the one collected (an async rollout's max_staleness)...
         self.last_draw = last_draw  # ...up to this one (the run's last iteration)
-        self.asked: dict[int, tuple[Any, int]] = {}  # draw -> (its generation, the draw collected when it was asked)
+        # draw -> (its generation, the draw collected when it was asked)
+        self.asked: dict[int, tuple[PendingSamples, int]] = {}
         self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.share = prompts_per_iteration // self.world
         self.draws_per_epoch = len(prompts) // prompts_per_iteration
@@ -98,7 +110,7 @@ class RolloutCollector:
         self.waiting: list[Group] = []
 
     @classmethod
-    def for_run(cls, cfg: PPOConfig, prompts: Sequence[Prompt], sampler, scorer: RewardScorer, tokenizer):
+    def for_run(cls, cfg: PPOConfig, prompts: Sequence[Prompt], sampler: Sampler, scorer: RewardScorer, tokenizer):
         """The collector of ``cfg``: its sampling settings, dynamic sampling's rounds, the async rollout's
         draws asked for ahead (up to the run's last)."""
         rollout = cfg.rollout
@@ -116,10 +128,9 @@ class RolloutCollector:
             cfg.train.iterations - 1 if ahead else None,
         )
 
-    def collect(self) -> tuple[Rollout, dict[str, float]]:
-        """This iteration's rollout and statistics: ``generate_s``, ``wait_s`` (for the samples: the
-        generation itself when it is colocated), ``score_s``, ``generated_tokens`` (all ranks), ``staleness``
-        (policy versions between the samples' and the actor's); with dynamic sampling also ``kept_share``
+    def collect(self) -> Collected:
+        """This iteration's rollout, its timing and statistics: ``staleness`` (policy versions between the
+        samples' and the actor's); with dynamic sampling also ``kept_share``
         (groups with signal / groups drawn, all
         ranks), ``generation_rounds``, ``filled_groups`` (dropped groups trained for want of others),
         ``waiting_groups`` and ``sampled_score`` (mean over every sample drawn, kept or not). A
@@ -137,16 +148,16 @@ class RolloutCollector:
                     (kept if has_signal(g.scores) else dropped).append(g)
             batch, waiting, filled = fill_batch(kept, dropped, self.share)
         self.draws, self.waiting = draws, waiting
-        stats = timing | self._counts(drawn, rounds, waiting, filled)
-        return (
-            Rollout(
-                [s for g in batch for s in g.samples],
-                [self.prompts[g.prompt] for g in batch for _ in g.samples],
-                torch.cat([g.scores for g in batch]),
-                {k: torch.cat([g.parts[k] for g in batch]) for k in batch[0].parts},
-            ),
-            stats,
+        counts = self._counts(drawn, rounds, waiting, filled)
+        rollout = Rollout(
+            [s for g in batch for s in g.samples],
+            [self.prompts[g.prompt] for g in batch for _ in g.samples],
+            torch.cat([g.scores for g in batch]),
+            {k: torch.cat([g.parts[k] for g in batch]) for k in batch[0].parts},
         )
+        tokens = counts.pop("generated_tokens")
+        stats = {"staleness": timing["staleness"]} | counts
+        return Collected(rollout, timing["generate_s"], timing["wait_s"], timing["score_s"], tokens, stats)
 
     def _short_anywhere(self, kept: int) -> bool:
         """Whether some rank holds fewer than its share of groups with signal (a collective)."""

@@ -27,8 +27,9 @@ from engine.ppo.inputs import Tokenizers
 from engine.ppo.rewards import RewardModelScorer, RewardScorer, Scorers
 from engine.rewards.components import RewardComponents
 from engine.rollout.remote import RemoteSampler, RolloutLink
-from engine.rollout.sampler import HFSampler, VLLMSampler
-from engine.run.distributed import split_world
+from engine.rollout.sampler import HFSampler, Sampler
+from engine.rollout.vllm_sampler import VLLMSampler
+from engine.run.distributed import SplitWorld
 from engine.run_config import PPOConfig
 from engine.run_config.rewards import RewardsSection
 
@@ -107,13 +108,18 @@ def critic_value_weights(cfg: PPOConfig, reward_model: RewardModelScorer | None)
     )
 
 
-def build_sampler(cfg: PPOConfig, actor_engine, tokenizer, rank: int):
+def build_sampler(cfg: PPOConfig, actor_engine, tokenizer, rank: int, split: SplitWorld | None) -> Sampler:
     """vLLM in this process (after the engines: its external_launcher reuses their group), HF generate, or
-    (rollout.mode async, on a training rank) requests to the generating ranks."""
-    if cfg.rollout.mode == "async" and (split := split_world()) and not split.generates():
+    (rollout.mode async, on a training rank of ``split``) requests to the generating ranks."""
+    if split is not None and not split.generates():
         return RemoteSampler(RolloutLink(split), rank, cfg.rollout.sync_check_every, cfg.rollout.sync_check_tolerance)
     if cfg.rollout.sampler == "hf":
         return HFSampler(actor_engine, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    return build_vllm_sampler(cfg, tokenizer, rank)
+
+
+def build_vllm_sampler(cfg: PPOConfig, tokenizer, rank: int) -> VLLMSampler:
+    """The run's vLLM engine on this rank (a training rank's, or an async rollout's generating rank's)."""
     tp = cfg.rollout.tensor_parallel_size  # the ranks of a TP group run one engine: the same seed
     return VLLMSampler(
         cfg.actor.path,

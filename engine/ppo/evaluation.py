@@ -25,7 +25,7 @@ from engine.models.lora import adapters_disabled
 from engine.ppo.forwards import sequence_logprobs
 from engine.ppo.monitors import distinct_share, repeated_ngrams
 from engine.ppo.rewards import RewardScorer, SampledResponses, Scorers
-from engine.rollout.sampler import HFSampler, Sample, SamplingSettings
+from engine.rollout.sampler import Sample, Sampler, SamplingSettings
 from engine.run import faults
 from engine.run.distributed import all_reduce
 
@@ -88,7 +88,7 @@ class HeldOutEvaluator:
         total, parts = scorer.score(SampledResponses(self.messages, samples, texts, self.fields))
         return Scored(total, {k: v for k, v in parts.items() if not k.endswith(("/errors", "/timeouts"))})
 
-    def respond(self, sampler, temperature: float, seed: int, judged: bool = False) -> Responses:
+    def respond(self, sampler: Sampler, temperature: float, seed: int, judged: bool = False) -> Responses:
         """This rank's responses, scored by the run (and by the judge when ``judged``)."""
         settings = SamplingSettings(1, temperature, self.settings.top_p, self.settings.max_new_tokens)
         samples = [group[0] for group in sampler.generate(self.ids, settings, request_seed=seed + self.rank)]
@@ -97,20 +97,13 @@ class HeldOutEvaluator:
         judge = self.score(self.judge, samples, texts) if judged and self.judge is not None else None
         return Responses(samples, texts, scored.total, scored.parts, judge)
 
-    def sample_reference(self, sampler, engines: HybridEngine) -> None:
-        """Sample the reference policy's responses: with ``sampler`` loaded with the reference's
-        weights (then the actor's again), or with HF generate on the reference."""
-        hf = isinstance(sampler, HFSampler)
+    def sample_reference(self, sampler: Sampler, engines: HybridEngine) -> None:
+        """Sample the reference policy's responses with ``sampler`` loaded with the reference's weights,
+        then loaded with the actor's again."""
         with adapters_disabled(engines.ref.module):  # LoRA: the reference is the actor's base
-            if hf:
-                pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
-                reference_sampler = HFSampler(engines.ref, pad_token_id=pad, eos_token_id=eos)
-            else:
-                sampler.sync_weights(engines.ref)
-                reference_sampler = sampler
-            self.reference = self.respond(reference_sampler, self.settings.temperature, REFERENCE_SEED, judged=True)
-        if not hf:
-            sampler.sync_weights(engines.actor)
+            reference = sampler.loaded_with(engines.ref)
+            self.reference = self.respond(reference, self.settings.temperature, REFERENCE_SEED, judged=True)
+        sampler.sync_weights(engines.actor)
         self.reference_distinct = self.distinct_over_ranks(self.reference)
 
     def distinct_over_ranks(self, responses: Responses) -> float:
@@ -136,7 +129,7 @@ class HeldOutEvaluator:
         )
         return torch.stack([(a - r).sum() for a, r in zip(logprobs(actor), logprobs(ref))]).double()
 
-    def evaluate(self, sampler, actor, ref, sample_rows: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    def evaluate(self, sampler: Sampler, actor, ref, sample_rows: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """Held-out metrics averaged over all ranks, and example rows (rank 0's first prompts)."""
         assert self.reference is not None, "sample_reference first"
         sampled = self.respond(sampler, self.settings.temperature, POLICY_SEED, judged=True)
@@ -237,7 +230,7 @@ def held_out_summary(first: dict[str, float], last: dict[str, float]) -> str:
 
 def held_out_eval(
     evaluator: HeldOutEvaluator,
-    sampler,
+    sampler: Sampler,
     engines: HybridEngine,
     run: RunLifecycle,
     sample_rows: int,

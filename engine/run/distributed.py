@@ -7,7 +7,7 @@ import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -30,18 +30,25 @@ class SplitWorld:
         return self.rank >= self.trainers
 
 
-_joined: dict[str, SplitWorld] = {}  # "split": this process's, once init_distributed made it
+class Joined(NamedTuple):
+    """This process in the launched world: its rank and the size of its process group, and the
+    :class:`SplitWorld` it belongs to (None when every rank trains)."""
+
+    rank: int
+    world: int
+    split: SplitWorld | None
 
 
-def split_world() -> SplitWorld | None:
-    """This process's :class:`SplitWorld`, or None when every rank trains."""
-    return _joined.get("split")
+def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
+    """:func:`join_world` with every rank training: ``(rank, world_size)``."""
+    rank, world, _ = join_world(timeout_s=timeout_s)
+    return rank, world
 
 
-def init_distributed(timeout_s: float = 600.0, generation_ranks: int = 0) -> tuple[int, int]:
-    """Join the launcher's process group; returns ``(rank, world_size)``. With ``generation_ranks``
-    the last that many ranks form a group of their own and the others the training group
-    (:class:`SplitWorld`); the rank and size returned are in this process's group.
+def join_world(generation_ranks: int = 0, timeout_s: float = 600.0) -> Joined:
+    """Join the launcher's process group. With ``generation_ranks`` the last that many ranks form a
+    group of their own and the others the training group (:class:`SplitWorld`); the rank and size
+    returned are in this process's group.
 
     Works under the ``deepspeed`` launcher, ``torchrun``, or a plain ``python`` (one rank:
     the rendezvous variables are filled in). A finite timeout turns a mismatched collective
@@ -59,22 +66,21 @@ def init_distributed(timeout_s: float = 600.0, generation_ranks: int = 0) -> tup
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         _share_cpu_cores()
     timeout, backend = timedelta(seconds=timeout_s), "nccl" if on_gpu else "gloo"
-    if generation_ranks:
-        _join_split_world(generation_ranks, backend, timeout)
+    split = _join_split_world(generation_ranks, backend, timeout) if generation_ranks else None
     deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)  # adopts a group made first
     if on_gpu:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return Joined(torch.distributed.get_rank(), torch.distributed.get_world_size(), split)
 
 
-def _join_split_world(generation_ranks: int, backend: str, timeout: timedelta) -> None:
+def _join_split_world(generation_ranks: int, backend: str, timeout: timedelta) -> SplitWorld:
     """Make this rank's default process group its side's (trainers or generators) over one store at
     the launcher's address, and set RANK / WORLD_SIZE to match (DeepSpeed and vLLM read them)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = torch.distributed.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0, timeout=timeout
     )
-    split = _joined["split"] = SplitWorld(store, rank, world, world - generation_ranks)
+    split = SplitWorld(store, rank, world, world - generation_ranks)
     side, first, size = (
         ("generators", split.trainers, generation_ranks) if split.generates() else ("trainers", 0, split.trainers)
     )
@@ -86,6 +92,7 @@ def _join_split_world(generation_ranks: int, backend: str, timeout: timedelta) -
         timeout=timeout,
     )
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank - first), str(size)
+    return split
 
 
 def _share_cpu_cores() -> None:

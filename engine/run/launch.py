@@ -10,14 +10,14 @@ import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NoReturn, TypeVar
+from typing import Generic, NamedTuple, NoReturn, TypeVar
 
 import numpy as np
 import torch
 
 from engine.config import ConfigError, load_config
 from engine.data.errors import DataFileError
-from engine.run.distributed import all_reduce, init_distributed, shutdown_distributed
+from engine.run.distributed import SplitWorld, all_reduce, join_world, shutdown_distributed
 
 T = TypeVar("T")
 
@@ -40,10 +40,20 @@ class RunArgs:
     device_memory_gib: float | None = None  # with dry_run: say whether the run fits devices of this size
 
 
-def start_run(config_cls: type[T], description: str) -> tuple[T, RunArgs, int, int]:
+class Started(NamedTuple, Generic[T]):
+    """A launched script's start (:func:`start_run`)."""
+
+    config: T
+    args: RunArgs
+    rank: int
+    world: int  # ranks in this process's group (an async rollout's trainers, or its generating ranks)
+    split: SplitWorld | None  # rollout.mode async: the launched world split in two; None otherwise
+
+
+def start_run(config_cls: type[T], description: str) -> Started[T]:
     """Parse ``--config PATH [--resume | --overwrite] [--dry-run] [--section.key value ...]``, load and check the
     config (:class:`RunRefused` on a bad one), join the process group (not for a dry run) and seed python, numpy and
-    torch with ``config.train.seed``. Returns ``(config, run_args, rank, world_size)``."""
+    torch with ``config.train.seed``."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", required=True, help="run config JSON")
     start = parser.add_mutually_exclusive_group()
@@ -74,8 +84,9 @@ def start_run(config_cls: type[T], description: str) -> tuple[T, RunArgs, int, i
         raise RunRefused("config", str(e)) from None
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     cfg.check_world_size(world)  # type: ignore[attr-defined]  # rules on the number of ranks (engine/config.py)
+    split = None
     if not args.dry_run:  # a dry run makes no process group: nothing collective happens
-        rank, world = init_distributed(generation_ranks=cfg.generation_ranks())  # type: ignore[attr-defined]
+        rank, world, split = join_world(generation_ranks=cfg.generation_ranks())  # type: ignore[attr-defined]
     seed = cfg.train.seed  # type: ignore[attr-defined]
     random.seed(seed)
     np.random.seed(seed)
@@ -83,7 +94,7 @@ def start_run(config_cls: type[T], description: str) -> tuple[T, RunArgs, int, i
     if args.device_memory_gib is not None and not (args.dry_run and args.device_memory_gib > 0):
         raise RunRefused("config", "--device-memory-gib takes a positive size and goes with --dry-run")
     run_args = RunArgs(args.resume, args.overwrite, args.allow_config_change, args.dry_run, args.device_memory_gib)
-    return cfg, run_args, rank, world
+    return Started(cfg, run_args, rank, world, split)
 
 
 def run_main(main: Callable[[], int]) -> NoReturn:

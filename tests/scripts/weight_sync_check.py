@@ -25,7 +25,8 @@ from engine.models.deepspeed_glue import initialize_training_engine, load_partit
 from engine.models.loading import load_causal_lm
 from engine.models.lora import adapters_disabled, add_adapters
 from engine.ppo.forwards import sequence_logprobs
-from engine.rollout.sampler import HFSampler, SamplingSettings, VLLMSampler
+from engine.rollout.sampler import HFSampler, SamplingSettings
+from engine.rollout.vllm_sampler import VLLMSampler
 from engine.run.distributed import init_distributed, shutdown_distributed
 from engine.run_config import LoraSection
 
