@@ -22,7 +22,7 @@ from engine.dpo.losses import PreferenceLoss, dpo_loss, ipo_loss, simpo_loss
 from engine.dpo.pairs import PairLogprobs, pair_distributions, pair_logprobs
 from engine.dpo.reference import ReferenceLogprobs
 from engine.run import faults
-from engine.run.distributed import all_reduce
+from engine.run.distributed import RankSums
 from engine.run_config import DPOSection, PreferenceLossName
 
 
@@ -64,35 +64,30 @@ class PreferenceStats:
     FIELDS = ("pairs", "loss", "correct", "chosen_reward", "rejected_reward", "chosen_logp", "rejected_logp")
 
     def __init__(self) -> None:
-        self.sums = torch.zeros(len(self.FIELDS) + 2, dtype=torch.float64)  # + [k3 sum, KL tokens]
+        self.sums = RankSums([*self.FIELDS, "kl", "kl_tokens"])  # + the k3 sum over the KL's tokens
 
     def add(self, policy: PairLogprobs, out: PreferenceLoss) -> None:
-        self.sums[: len(self.FIELDS)] += torch.stack(
-            [
-                torch.tensor(float(len(out.loss))),
-                out.loss.detach().sum(),
-                (out.chosen_reward > out.rejected_reward).sum(),
-                out.chosen_reward.sum(),
-                out.rejected_reward.sum(),
-                policy.chosen.detach().sum(),
-                policy.rejected.detach().sum(),
-            ]
-        ).double()
+        self.sums.add(
+            pairs=len(out.loss),
+            loss=out.loss.detach().sum(),
+            correct=(out.chosen_reward > out.rejected_reward).sum(),
+            chosen_reward=out.chosen_reward.sum(),
+            rejected_reward=out.rejected_reward.sum(),
+            chosen_logp=policy.chosen.detach().sum(),
+            rejected_logp=policy.rejected.detach().sum(),
+        )
 
     def add_kl(self, kl: torch.Tensor) -> None:
         """(K,) KL(pi || pi_ref) of the next-token distributions at K response positions."""
-        self.sums[-2:] += torch.tensor([kl.double().sum().item(), kl.numel()], dtype=torch.float64)
+        self.sums.add(kl=kl.double().sum(), kl_tokens=kl.numel())
 
     def reduce(self) -> dict[str, float]:
-        sums = self.sums.clone()
-        if torch.distributed.is_initialized():
-            all_reduce(sums)
-        pairs = max(sums[0].item(), 1.0)
-        metrics = {name: sums[i].item() / pairs for i, name in enumerate(self.FIELDS) if name != "pairs"}
+        all_ranks = self.sums.reduced()
+        metrics = {name: all_ranks.mean(name, over="pairs") for name in self.FIELDS if name != "pairs"}
         metrics["acc"] = metrics.pop("correct")
         metrics["margin"] = metrics["chosen_reward"] - metrics["rejected_reward"]
-        if sums[-1] > 0:
-            metrics["kl"] = sums[-2].item() / sums[-1].item()
+        if all_ranks["kl_tokens"] > 0:
+            metrics["kl"] = all_ranks.mean("kl", over="kl_tokens")
         return metrics
 
 

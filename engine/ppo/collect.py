@@ -22,7 +22,7 @@ from engine.data.batching import epoch_order
 from engine.data.chat import prompt_ids
 from engine.ppo.rewards import SampledResponses
 from engine.rollout.sampler import Generated, PendingSamples, Sample, Sampler, SamplingSettings
-from engine.run.distributed import all_reduce
+from engine.run.distributed import RankSums, all_reduce
 
 if TYPE_CHECKING:
     from engine.data.prompts import Prompt
@@ -202,28 +202,26 @@ class RolloutCollector:
         """The statistics summed over the ranks (see :meth:`collect`). Every iteration draws at least
         once: the ranks that needed the last round keep fewer than their share waiting."""
         scores = torch.cat([g.scores for g in drawn])
-        sums = torch.tensor(
-            [
-                sum(len(s.response_ids) for g in drawn for s in g.samples),
-                len(drawn),
-                sum(has_signal(g.scores) for g in drawn),
-                filled,
-                len(waiting),
-                float(scores.sum()),
-                len(scores),
-            ],
-            dtype=torch.float64,
+        sums = RankSums(["tokens", "groups", "signal", "filled", "waiting", "score", "samples"])
+        sums.add(
+            tokens=sum(len(s.response_ids) for g in drawn for s in g.samples),
+            groups=len(drawn),
+            signal=sum(has_signal(g.scores) for g in drawn),
+            filled=filled,
+            waiting=len(waiting),
+            score=float(scores.sum()),
+            samples=len(scores),
         )
-        tokens, groups, signal, filled_all, waiting_all, score_sum, samples = all_reduce(sums).tolist()
+        all_ranks = sums.reduced()
         if self.max_rounds is None:
-            return {"generated_tokens": tokens}
+            return {"generated_tokens": all_ranks["tokens"]}
         return {
-            "generated_tokens": tokens,
-            "kept_share": signal / groups,
+            "generated_tokens": all_ranks["tokens"],
+            "kept_share": all_ranks.mean("signal", over="groups"),
             "generation_rounds": float(rounds),
-            "filled_groups": filled_all,
-            "waiting_groups": waiting_all,
-            "sampled_score": score_sum / samples,
+            "filled_groups": all_ranks["filled"],
+            "waiting_groups": all_ranks["waiting"],
+            "sampled_score": all_ranks.mean("score", over="samples"),
         }
 
     def state_dict(self) -> dict[str, Any]:

@@ -27,13 +27,26 @@ from engine.ppo.monitors import distinct_share, repeated_ngrams
 from engine.ppo.rewards import RewardScorer, SampledResponses, Scorers
 from engine.rollout.sampler import Sample, Sampler, SamplingSettings
 from engine.run import faults
-from engine.run.distributed import all_reduce
+from engine.run.distributed import RankSums
 
 if TYPE_CHECKING:
     from engine.ppo.engines import HybridEngine
     from engine.run.lifecycle import RunLifecycle
 
 POLICY_SEED, REFERENCE_SEED = 10**6, 2 * 10**6  # request seeds (+ rank): independent policy and reference draws
+EVAL_SUMS = (  # over the held-out prompts; the sampled responses' n-grams: repeated ones and all
+    "n",
+    "reward",
+    "reward_greedy",
+    "ref_reward",
+    "win_rate",
+    "kl",
+    "reward_length",
+    "reward_greedy_length",
+    "ref_length",
+    "repeated",
+    "ngrams",
+)
 
 
 def win_scores(policy: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
@@ -137,45 +150,42 @@ class HeldOutEvaluator:
         kl = self.kl_to_reference(sampled.samples, actor, ref)
         repeated, total = map(sum, zip(*(repeated_ngrams(s.response_ids, self.ngram) for s in sampled.samples)))
         ref = self.reference
-        sums = torch.tensor(
-            [
-                float(len(sampled.samples)),
-                sampled.rewards.sum(),
-                greedy.rewards.sum(),
-                ref.rewards.sum(),
-                win_scores(sampled.rewards, ref.rewards).sum(),
-                kl.sum(),
-                sampled.lengths.sum(),
-                greedy.lengths.sum(),
-                ref.lengths.sum(),
-                float(repeated),
-                float(total),
-            ],
-            dtype=torch.float64,
+        parts = [  # eval/reward/<name>, eval/reward_greedy/<name>: each part's sum
+            (name.replace("reward/", f"reward{kind}/", 1), r.components[name].sum())
+            for kind, r in (("", sampled), ("_greedy", greedy))
+            for name in sorted(sampled.components)
+        ]
+        sums = RankSums([*EVAL_SUMS, *(name for name, _ in parts)])
+        sums.add(
+            n=len(sampled.samples),
+            reward=sampled.rewards.sum(),
+            reward_greedy=greedy.rewards.sum(),
+            ref_reward=ref.rewards.sum(),
+            win_rate=win_scores(sampled.rewards, ref.rewards).sum(),
+            kl=kl.sum(),
+            reward_length=sampled.lengths.sum(),
+            reward_greedy_length=greedy.lengths.sum(),
+            ref_length=ref.lengths.sum(),
+            repeated=repeated,
+            ngrams=total,
         )
-        names = sorted(sampled.components)
-        sums_of_parts = [r.components[k].sum() for r in (sampled, greedy) for k in names]
-        parts = all_reduce(torch.stack(sums_of_parts).double()).tolist() if names else []
-        all_reduce(sums)
-        n, reward, greedy_reward, ref_reward, wins, kl_sum, length, greedy_length, ref_length, repeated, total = (
-            sums.tolist()
-        )
+        sums.add(**dict(parts))
+        all_ranks = sums.reduced()
         metrics = {
-            "reward": reward / n,
-            "reward_greedy": greedy_reward / n,
-            "ref_reward": ref_reward / n,
-            "win_rate": wins / n,
-            "kl": kl_sum / n,
-            "kl_per_token": kl_sum / max(length, 1.0),
-            "reward_length": length / n,
-            "reward_greedy_length": greedy_length / n,
-            "ref_length": ref_length / n,
-            "length_ratio": length / max(ref_length, 1.0),
-            "repeated_ngram_frac": repeated / max(total, 1.0),
+            "reward": all_ranks.mean("reward", over="n"),
+            "reward_greedy": all_ranks.mean("reward_greedy", over="n"),
+            "ref_reward": all_ranks.mean("ref_reward", over="n"),
+            "win_rate": all_ranks.mean("win_rate", over="n"),
+            "kl": all_ranks.mean("kl", over="n"),
+            "kl_per_token": all_ranks.mean("kl", over="reward_length"),
+            "reward_length": all_ranks.mean("reward_length", over="n"),
+            "reward_greedy_length": all_ranks.mean("reward_greedy_length", over="n"),
+            "ref_length": all_ranks.mean("ref_length", over="n"),
+            "length_ratio": all_ranks.mean("reward_length", over="ref_length"),
+            "repeated_ngram_frac": all_ranks.mean("repeated", over="ngrams"),
             "distinct_ratio": self.distinct_over_ranks(sampled) / max(self.reference_distinct, 1e-9),
         } | judge_metrics(sampled.judged, ref.judged)
-        for i, (kind, name) in enumerate((kind, k) for kind in ("", "_greedy") for k in names):
-            metrics[name.replace("reward/", f"reward{kind}/", 1)] = parts[i] / n
+        metrics |= {name: all_ranks.mean(name, over="n") for name, _ in parts}
         rows = (
             [
                 {
@@ -199,20 +209,19 @@ def judge_metrics(policy: Scored | None, reference: Scored | None) -> dict[str, 
     reference's, in total and per part (``judge_win_rate/<name>``), over all ranks; {} without a judge."""
     if policy is None or reference is None:
         return {}
-    names = sorted(policy.parts)
-    wins = [win_scores(policy.parts[k], reference.parts[k]).sum() for k in names]
-    sums = torch.stack(
-        [
-            torch.tensor(float(len(policy.total))),
-            policy.total.sum(),
-            win_scores(policy.total, reference.total).sum(),
-            *wins,
-        ]
-    ).double()
-    n, reward, win_rate, *part_wins = all_reduce(sums).tolist()
-    return {"judge_reward": reward / n, "judge_win_rate": win_rate / n} | {
-        f"judge_win_rate/{k.removeprefix('reward/')}": w / n for k, w in zip(names, part_wins)
+    wins = {
+        f"judge_win_rate/{k.removeprefix('reward/')}": win_scores(policy.parts[k], reference.parts[k]).sum()
+        for k in sorted(policy.parts)
     }
+    sums = RankSums(["n", "judge_reward", "judge_win_rate", *wins])
+    sums.add(
+        n=len(policy.total),
+        judge_reward=policy.total.sum(),
+        judge_win_rate=win_scores(policy.total, reference.total).sum(),
+        **wins,
+    )
+    all_ranks = sums.reduced()
+    return {name: all_ranks.mean(name, over="n") for name in ["judge_reward", "judge_win_rate", *wins]}
 
 
 def held_out_summary(first: dict[str, float], last: dict[str, float]) -> str:

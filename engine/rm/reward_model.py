@@ -19,7 +19,7 @@ from engine.data.packing import dummy_forward_loss, last_token, packed_forward
 from engine.data.preferences import PreferenceExample, collate_pairs
 from engine.rm.losses import PairLosses, pair_losses, weighted_total
 from engine.run import faults
-from engine.run.distributed import all_reduce
+from engine.run.distributed import RankSums
 from engine.run_config import RMSection
 
 
@@ -38,12 +38,12 @@ def score_pairs(model, examples: Sequence[PreferenceExample]) -> tuple[torch.Ten
 class PairStats:
     """Sums over pairs (this rank), reduced over ranks on demand: accuracy, margin, loss terms."""
 
+    TOTAL = ("pairs", "correct", "margin", "loss_total", "center", "reward_sum", "reward_sq")  # the weighted total's
+    PER_COMPONENT = ("labelled", "correct", "loss", "reward_sum", "reward_sq")  # "<field>/<component>"
+
     def __init__(self, components: Sequence[str]):
         self.components = list(components)
-        C = len(components)
-        # [pairs, correct, margin, total loss, center, reward sum, reward^2 sum] + per component
-        # [labelled, correct, loss, reward sum, reward^2 sum]
-        self.sums = torch.zeros(7 + 5 * C, dtype=torch.float64)
+        self.sums = RankSums([*self.TOTAL, *(f"{f}/{c}" for c in self.components for f in self.PER_COMPONENT)])
 
     def add(
         self,
@@ -57,53 +57,45 @@ class PairStats:
         r_c, r_r = r_chosen.detach().double(), r_rejected.detach().double()
         total_c, total_r = weighted_total(r_c, weights.double()), weighted_total(r_r, weights.double())
         both = torch.cat([total_c, total_r])
-        self.sums[:7] += torch.stack(
-            [
-                torch.tensor(float(len(total_c)), dtype=torch.float64),
-                (total_c > total_r).double().sum(),
-                (total_c - total_r).sum(),
-                losses.total.detach().double().sum(),
-                losses.center.detach().double().sum(),
-                both.sum(),
-                (both**2).sum(),
-            ]
+        self.sums.add(
+            pairs=len(total_c),
+            correct=(total_c > total_r).double().sum(),
+            margin=(total_c - total_r).sum(),
+            loss_total=losses.total.detach().double().sum(),
+            center=losses.center.detach().double().sum(),
+            reward_sum=both.sum(),
+            reward_sq=(both**2).sum(),
         )
         oriented = (r_c - r_r) * labels.double()  # (B, C) > 0 where the labelled-better response scores higher
         comp_both = torch.cat([r_c, r_r])  # (2B, C)
-        per_c = torch.stack(
-            [
-                (labels != 0).double().sum(0),
-                (oriented > 0).double().sum(0),
-                losses.component.detach().double().sum(0),
-                comp_both.sum(0),
-                (comp_both**2).sum(0),
-            ],
-            dim=1,
-        )  # (C, 5)
-        self.sums[7:] += per_c.flatten()
+        per_c = {  # each (C,)
+            "labelled": (labels != 0).double().sum(0),
+            "correct": (oriented > 0).double().sum(0),
+            "loss": losses.component.detach().double().sum(0),
+            "reward_sum": comp_both.sum(0),
+            "reward_sq": (comp_both**2).sum(0),
+        }
+        self.sums.add(**{f"{f}/{c}": v[i] for f, v in per_c.items() for i, c in enumerate(self.components)})
 
     def reduce(self) -> dict[str, float]:
-        sums = self.sums.clone()
-        if torch.distributed.is_initialized():
-            all_reduce(sums)
-        pairs = max(sums[0].item(), 1.0)
-        mean = sums[5].item() / (2 * pairs)
+        all_ranks = self.sums.reduced()
+        pairs = max(all_ranks["pairs"], 1.0)
+        mean = all_ranks["reward_sum"] / (2 * pairs)
         metrics = {
-            "acc": sums[1].item() / pairs,
-            "margin": sums[2].item() / pairs,
-            "loss_total": sums[3].item() / pairs,
-            "center": sums[4].item() / pairs,
+            "acc": all_ranks.mean("correct", over="pairs"),
+            "margin": all_ranks.mean("margin", over="pairs"),
+            "loss_total": all_ranks.mean("loss_total", over="pairs"),
+            "center": all_ranks.mean("center", over="pairs"),
             "reward_mean": mean,
-            "reward_std": max(sums[6].item() / (2 * pairs) - mean**2, 0.0) ** 0.5,
+            "reward_std": max(all_ranks["reward_sq"] / (2 * pairs) - mean**2, 0.0) ** 0.5,
         }
-        for c, name in enumerate(self.components):
-            labelled, correct, loss, r_sum, r_sq = sums[7 + 5 * c : 12 + 5 * c].tolist()
-            c_mean = r_sum / (2 * pairs)
+        for name in self.components:
+            c_mean = all_ranks[f"reward_sum/{name}"] / (2 * pairs)
             metrics[f"reward_mean_{name}"] = c_mean
-            metrics[f"reward_std_{name}"] = max(r_sq / (2 * pairs) - c_mean**2, 0.0) ** 0.5
-            if labelled:
-                metrics[f"acc_{name}"] = correct / labelled
-                metrics[f"loss_{name}"] = loss / labelled
+            metrics[f"reward_std_{name}"] = max(all_ranks[f"reward_sq/{name}"] / (2 * pairs) - c_mean**2, 0.0) ** 0.5
+            if all_ranks[f"labelled/{name}"]:
+                metrics[f"acc_{name}"] = all_ranks.mean(f"correct/{name}", over=f"labelled/{name}")
+                metrics[f"loss_{name}"] = all_ranks.mean(f"loss/{name}", over=f"labelled/{name}")
         return metrics
 
 

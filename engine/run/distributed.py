@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -116,6 +117,37 @@ def all_reduce(t: torch.Tensor, op=torch.distributed.ReduceOp.SUM, group=None) -
     else:
         torch.distributed.all_reduce(t, op=op, group=group)
     return t
+
+
+class RankSums:
+    """Float64 sums of this rank (counts, metric sums) by name, reduced over ranks in one
+    :func:`all_reduce`: ``add(pairs=B, loss=losses.sum())`` per micro-batch, then
+    ``reduced().mean("loss", over="pairs")``. ``names`` fix the (n,) layout: the fixed fields,
+    then any named block (e.g. ``f"loss/{component}"`` per component); an unknown name is a KeyError."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.sums = dict.fromkeys(names, 0.0)
+
+    def add(self, **values: float | torch.Tensor) -> None:
+        """Add to the named sums (a tensor: its one value)."""
+        for name, value in values.items():
+            self.sums[name] += float(value)
+
+    def __getitem__(self, name: str) -> float:
+        return self.sums[name]
+
+    def mean(self, name: str, *, over: str) -> float:
+        """``name``'s sum per ``over``, a count taken as at least 1 (nothing counted: the sum, 0)."""
+        return self.sums[name] / max(self.sums[over], 1.0)
+
+    def reduced(self) -> RankSums:
+        """The sums over all ranks (this rank's alone without a process group); a collective."""
+        t = torch.tensor(list(self.sums.values()), dtype=torch.float64)
+        if torch.distributed.is_initialized():
+            all_reduce(t)
+        total = RankSums(())
+        total.sums = dict(zip(self.sums, t.tolist()))
+        return total
 
 
 def agree_max(value: int) -> int:

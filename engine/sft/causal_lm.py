@@ -21,7 +21,7 @@ from engine.data.conversations import Conversation
 from engine.data.lm_head import token_logprobs
 from engine.data.packing import PackedBatch, dummy_forward_loss, pack_sequences
 from engine.run import faults
-from engine.run.distributed import all_reduce
+from engine.run.distributed import RankSums
 
 
 def trained_positions(packed: PackedBatch, conversations: Sequence[Conversation]) -> torch.Tensor:
@@ -44,21 +44,19 @@ class TokenStats:
     """Summed loss and token counts of this rank, reduced over ranks on demand."""
 
     def __init__(self):
-        self.sums = torch.zeros(3, dtype=torch.float64)  # [nll sum, trained tokens, all tokens]
+        self.sums = RankSums(["nll", "trained_tokens", "tokens"])
 
     def add(self, nll: torch.Tensor, num_tokens: int) -> None:
-        self.sums += torch.tensor([nll.detach().double().sum().item(), nll.numel(), num_tokens], dtype=torch.float64)
+        self.sums.add(nll=nll.detach().double().sum(), trained_tokens=nll.numel(), tokens=num_tokens)
 
     def reduce(self) -> dict[str, float]:
-        sums = self.sums.clone()
-        if torch.distributed.is_initialized():
-            all_reduce(sums)
-        loss = sums[0].item() / max(sums[1].item(), 1.0)
+        all_ranks = self.sums.reduced()
+        loss = all_ranks.mean("nll", over="trained_tokens")
         return {
             "loss": loss,
             "perplexity": math.exp(min(loss, 50.0)),
-            "trained_tokens": sums[1].item(),
-            "tokens": sums[2].item(),
+            "trained_tokens": all_ranks["trained_tokens"],
+            "tokens": all_ranks["tokens"],
         }
 
 
