@@ -17,10 +17,11 @@ from engine.models.loading import load_causal_lm, load_value_model
 from engine.ppo.collect import Rollout
 from engine.ppo.engines import HybridEngine
 from engine.ppo.experience import OldLogprobSource, make_experience
-from engine.ppo.forwards import micro_batches, response_values
+from engine.ppo.forwards import response_values
 from engine.ppo.rewards import RewardModelScorer, RewardScorer, SampledResponses
 from engine.ppo.settings import ExperienceSettings, GaeSettings
 from engine.rollout.sampler import Sample
+from engine.run.micro_batches import micro_batches
 from engine.run_config.rewards import RewardModelSection, RewardsSection
 
 PROMPT_LENS, RESPONSE_LENS = [6, 3, 9, 4], [5, 8, 2, 6]

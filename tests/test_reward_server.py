@@ -26,8 +26,8 @@ from transformers import AutoModelForTokenClassification, AutoTokenizer
 from engine.data.chat import tokenize_pairs
 from engine.rewards.components import RewardComponents, RewardsUnavailable, ScoringBatch
 from engine.rewards.remote import RewardServerClient, RewardServerError, ScoreItem, check_components
-from engine.rewards.server import build_app, main
-from engine.run_config.rewards import RewardsSection
+from engine.rewards.server import build_app, code_section, main, parse_args
+from engine.run_config.rewards import CodeReward, RewardsSection
 
 REPO = Path(__file__).resolve().parent.parent
 RIVER = [{"role": "user", "content": "Describe the river."}]
@@ -40,6 +40,11 @@ ITEMS = [  # two responses share each prompt: the server packs a prompt once for
         prompt=KITCHEN,
         response="```python\ndef f(x):\n    return x + 1\n```",
         fields={"tests": ["assert f(1) == 2", "assert f(2) == 4"]},
+    ),
+    ScoreItem(  # passes its test, after a sleep past the server's --code-wall-s 3 (not the default 10 s)
+        prompt=KITCHEN,
+        response="```python\nimport time\ntime.sleep(6)\n\ndef f(x):\n    return x + 1\n```",
+        fields={"tests": ["assert f(1) == 2"]},
     ),
 ]
 
@@ -103,7 +108,7 @@ def in_process_rewards(model_dir: Path, items: list[ScoreItem]) -> torch.Tensor:
 
 
 def test_server_scores_like_the_in_process_reward_model(tmp_path, reward_model_dir):
-    args = ["--reward-model", str(reward_model_dir), "--math-field", "answer", "--workers", "1"]
+    args = ["--reward-model", str(reward_model_dir), "--math-field", "answer", "--workers", "1", "--code-wall-s", "3"]
     with server_process(tmp_path, *args, "--format-pattern", r"\\boxed\{", "--code-field", "tests") as (url, _):
         assert url.startswith("http://127.0.0.1:")
         assert httpx.get(f"{url}/v1/health").json() == {"status": "ok", "protocol": 1}
@@ -122,20 +127,30 @@ def test_server_scores_like_the_in_process_reward_model(tmp_path, reward_model_d
     served = torch.tensor([scores["helpful"], scores["harmless"]]).T
     assert expected.abs().max() > 0.5  # rewards of a size that a 1e-5 tolerance tests
     torch.testing.assert_close(served, expected, rtol=1e-5, atol=1e-5)
-    assert scores["math"] == [1.0, 1.0, 0.0, None]  # 1/2 equals 0.5; the last item has no answer
-    assert scores["format"] == [1.0, 0.0, 1.0, 0.0]
-    assert scores["code"] == [None, None, None, 0.5]  # the code passes one of its row's two tests, in the sandbox
+    assert scores["math"] == [1.0, 1.0, 0.0, None, None]  # 1/2 equals 0.5; the last items have no answer
+    assert scores["format"] == [1.0, 0.0, 1.0, 0.0, 0.0]
+    # the code passes one of its row's two tests, in the sandbox; the sleeper is killed at --code-wall-s
+    assert scores["code"] == [None, None, None, 0.5, 0.0]
 
 
 def test_server_refuses_a_command_with_nothing_to_serve_or_a_bad_pattern(capsys):
     for argv, said in (
         (["--port", "0"], "nothing to serve"),
         (["--format-pattern", "(unclosed"], "is not a regular expression"),
+        (["--code-field", "tests", "--code-memory-mb", "8"], "--code-memory-mb 8: Input should be greater"),
     ):
         with pytest.raises(SystemExit) as exit_info:
             main(argv)
         assert exit_info.value.code == 2
         assert said in capsys.readouterr().err
+
+
+def test_the_code_limits_default_to_the_trainers():
+    assert code_section(parse_args(["--code-field", "tests"])) == CodeReward(field="tests")
+    limits = ["--code-cpu-s", "2", "--code-wall-s", "3", "--code-memory-mb", "512"]
+    assert code_section(parse_args(["--code-field", "t", *limits])) == CodeReward(
+        field="t", cpu_s=2, wall_s=3.0, memory_mb=512
+    )
 
 
 @contextmanager

@@ -23,10 +23,9 @@ from engine.data.chat import (
     shares_template,
     tokenize_pairs,
 )
-from engine.data.packing import last_token, packed_forward
 from engine.data.prompts import Prompt
-from engine.ppo.forwards import map_micro_batches
 from engine.rewards.components import ComponentScores, RewardComponents, RewardsUnavailable, ScoringBatch
+from engine.rewards.reward_model import head_names, reward_model_heads
 from engine.rollout.sampler import Sample
 from engine.run.distributed import all_reduce
 from engine.run_config.rewards import RewardModelSection, RewardsSection
@@ -70,8 +69,7 @@ class RewardModelScorer:
         self.model, self.tokenizer, self.section = model, tokenizer, section
         reads_ids = policy_tokenizer is not None and shares_template(policy_tokenizer, tokenizer)
         self.closing = closing_ids(tokenizer) if reads_ids else None  # None: it reads re-rendered text
-        hf = getattr(model, "module", model)
-        self.heads = [hf.config.id2label[i] for i in sorted(hf.config.id2label)]
+        self.heads = head_names(model)
         stats_path = os.path.join(section.path, "reward_stats.json")
         stats: dict[str, Any] = {}
         if os.path.exists(stats_path):
@@ -93,20 +91,11 @@ class RewardModelScorer:
         prompt_ids, full = tokenize_pairs(self.tokenizer, responses.prompts, responses.texts)
         return full, [len(p) for p in prompt_ids]
 
-    @torch.no_grad()
     def score(self, responses: SampledResponses) -> torch.Tensor:
         """(B, C) head values, read at the last token of :meth:`inputs` as in the reward model's training."""
         full, prompt_lens = self.inputs(responses)
-        per_seq = map_micro_batches(
-            self.model,
-            full,
-            prompt_lens,
-            self.max_tokens,
-            self.tokenizer.pad_token_id,
-            self.share_prompts,
-            lambda packed, _: list(last_token(packed_forward(self.model, packed), packed).float()),
-        )
-        return torch.stack(per_seq)
+        pad_id = self.tokenizer.pad_token_id
+        return reward_model_heads(self.model, full, prompt_lens, self.max_tokens, self.share_prompts, pad_id)
 
     def total(self, heads: torch.Tensor) -> torch.Tensor:
         """(B,) the weighted heads, standardised, times reward_model.weight."""

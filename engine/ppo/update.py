@@ -18,11 +18,12 @@ from engine.data.batching import token_mean_scale
 from engine.data.packing import PackedBatch, dummy_forward_loss, packed_forward
 from engine.data.response_tokens import kl_penalty, response_logprobs
 from engine.ppo.experience import Experience
-from engine.ppo.forwards import micro_batches, pad_right, response_values
+from engine.ppo.forwards import pad_right, response_values
 from engine.ppo.losses import PolicyLoss, aggregation_weights, clipped_value_loss, estimate_advantages, gae
 from engine.ppo.settings import GaeSettings, PolicyLossSettings, UpdateSettings
 from engine.run import faults
 from engine.run.distributed import all_reduce
+from engine.run.micro_batches import micro_batches
 
 
 class ActorLoss(NamedTuple):

@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from engine.rewards.pool import Call, RewardPool
+from engine.rewards.pool import RewardPool
+from engine.rewards.pool_components import PoolComponent, code_verifier, format_verifier, math_verifier
 from engine.rewards.remote import RewardServerClient, RewardServerError, ScoreItem, check_components
 from engine.rewards.verifiers import length_penalty
 from engine.run_config.rewards import RewardsSection
 
 Messages = list[dict[str, str]]
-VERIFIERS = "engine.rewards.verifiers"
 
 
 class RewardsUnavailable(Exception):
@@ -51,25 +51,6 @@ class ComponentScores:
     errors: int = 0
     timeouts: int = 0
     first_error: str | None = None
-
-
-@dataclass(frozen=True)
-class _PoolComponent:
-    """A component computed by calling ``function`` in the pool, once per response."""
-
-    name: str
-    function: str
-    weight: float
-    fallback: float
-    timeout_s: float
-    fields: dict[str, str]  # keyword argument -> prompt-data column
-    options: dict[str, Any]  # further keyword arguments (a built-in's settings)
-    with_prompt: bool  # f(prompt, response, ...) (a user's function) or f(response, ...) (a built-in)
-
-    def call(self, batch: ScoringBatch, i: int) -> Call:
-        args = [list(batch.prompts[i]), batch.responses[i]] if self.with_prompt else [batch.responses[i]]
-        kwargs = {arg: batch.fields[i][column] for arg, column in self.fields.items()} | self.options
-        return Call(self.function, args, kwargs, self.timeout_s)
 
 
 class RewardComponents:
@@ -108,7 +89,8 @@ class RewardComponents:
         n = len(batch.responses)
         scores: dict[str, ComponentScores] = {}
         if self.pool:
-            outcomes = self.pool.run([c.call(batch, i) for c in self.in_pool for i in range(n)])
+            rows = list(zip(batch.prompts, batch.responses, batch.fields))
+            outcomes = self.pool.run([c.call(*row) for c in self.in_pool for row in rows])
             for k, c in enumerate(self.in_pool):
                 mine = outcomes[k * n : (k + 1) * n]
                 failed = [o for o in mine if o.value is None]
@@ -161,54 +143,17 @@ class RewardComponents:
             self.client.close()
 
 
-def _pool_components(rewards: RewardsSection) -> list[_PoolComponent]:
+def _pool_components(rewards: RewardsSection) -> list[PoolComponent]:
     """The components that run in the reward pool, in config order: math, code, format, then functions."""
     components = []
     if rewards.math:
-        m = rewards.math
-        components.append(
-            _PoolComponent(
-                "math",
-                f"{VERIFIERS}:math_reward",
-                m.weight,
-                m.fallback,
-                rewards.timeout_s,
-                {"answer": m.field},
-                {"pattern": m.pattern},
-                with_prompt=False,
-            )
-        )
+        components.append(math_verifier(rewards.math, rewards.timeout_s))
     if rewards.code:
-        c = rewards.code
-        limits = {"cpu_s": c.cpu_s, "wall_s": c.wall_s, "memory_mb": c.memory_mb}
-        components.append(
-            _PoolComponent(
-                "code",
-                f"{VERIFIERS}:code_reward",
-                c.weight,
-                c.fallback,
-                c.wall_s + 5,
-                {"tests": c.field},
-                limits,
-                False,
-            )
-        )
+        components.append(code_verifier(rewards.code))
     if rewards.format:
-        f = rewards.format
-        components.append(
-            _PoolComponent(
-                "format",
-                f"{VERIFIERS}:format_reward",
-                f.weight,
-                0.0,
-                rewards.timeout_s,
-                {},
-                {"pattern": f.pattern},
-                with_prompt=False,
-            )
-        )
+        components.append(format_verifier(rewards.format, rewards.timeout_s))
     for name, fn in rewards.functions.items():
         timeout = fn.timeout_s or rewards.timeout_s
         fields = {f: f for f in fn.fields}
-        components.append(_PoolComponent(name, fn.function, fn.weight, fn.fallback, timeout, fields, {}, True))
+        components.append(PoolComponent(name, fn.function, fn.weight, fn.fallback, timeout, fields, {}, True))
     return components

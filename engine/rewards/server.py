@@ -4,15 +4,18 @@ Components it serves:
 
 * ``--reward-model DIR`` (train_rm.py's ``<run>/model``): one per head, named by ``id2label``;
   the raw head value at the last token of the conversation rendered with the response as a
-  closed assistant turn -- what the trainer's in-process reward model reads (RewardScorer.score);
+  closed assistant turn, read as the trainer's in-process reward model reads it
+  (engine/rewards/reward_model.py);
 * ``--math-field F``: ``math``, verifiers.math_reward(response, fields[F], --math-pattern);
 * ``--format-pattern R``: ``format``, verifiers.format_reward(response, R);
 * ``--code-field F``: ``code``, verifiers.code_reward(response, fields[F], ...): the share of the
-  row's tests the response's code passes in the sandbox (engine/rewards/sandbox.py, its default limits).
+  row's tests the response's code passes in the sandbox (engine/rewards/sandbox.py) within
+  ``--code-cpu-s``, ``--code-wall-s`` and ``--code-memory-mb`` (the defaults of ``rewards.code``).
 
-The verifiers run in ``--workers`` reward worker processes (engine/rewards/pool.py), each call
-within ``--verifier-timeout`` seconds: math-verify's timeouts need a process's main thread, and
-a runaway regex or parse only costs its item. An item that cannot be scored gets null.
+The verifiers are the trainer's (engine/rewards/pool_components.py), run in ``--workers`` reward
+worker processes (engine/rewards/pool.py), each call within ``--verifier-timeout`` seconds (code:
+``--code-wall-s`` + 5): math-verify's timeouts need a process's main thread, and a runaway regex
+or parse only costs its item. An item that cannot be scored gets null.
 """
 
 from __future__ import annotations
@@ -25,18 +28,18 @@ import re
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Sequence
-from typing import Protocol, cast
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 import uvicorn
 from fastapi import FastAPI
+from pydantic import ValidationError
 
-from engine.data.batching import group_tokens, plan_micro_batches, prompt_groups
 from engine.data.chat import tokenize_pairs
-from engine.data.packing import last_token, pack_groups, packed_forward, runs_shared_prompts
 from engine.models.loading import load_value_model
 from engine.rewards.pool import Call, RewardPool
+from engine.rewards.pool_components import PoolComponent, code_verifier, format_verifier, math_verifier
 from engine.rewards.remote import (
     COMPONENTS_PATH,
     HEALTH_PATH,
@@ -48,14 +51,14 @@ from engine.rewards.remote import (
     ScoreRequest,
     ScoreResponse,
 )
-from engine.rewards.sandbox import SandboxLimits
+from engine.rewards.reward_model import head_names, reward_model_heads
 from engine.run.launch import RunRefused
 from engine.run.preflight import check_reward_model, check_weights, load_tokenizer
+from engine.run_config.rewards import CodeReward, FormatReward, MathReward
 
 log = logging.getLogger("engine.rewards.server")
 Scores = dict[str, list[float | None]]
-MATH_REWARD, FORMAT_REWARD = "engine.rewards.verifiers:math_reward", "engine.rewards.verifiers:format_reward"
-CODE_REWARD, CODE_LIMITS = "engine.rewards.verifiers:code_reward", SandboxLimits()
+CODE_LIMITS = ("cpu_s", "wall_s", "memory_mb")  # rewards.code's sandbox limits, each a --code-* flag
 
 
 class Scorer(Protocol):
@@ -66,7 +69,7 @@ class Scorer(Protocol):
     def score(self, items: Sequence[ScoreItem]) -> Scores: ...
 
 
-class RewardModelScorer:
+class ServerRewardModel:
     """A trained reward model's heads, read at each conversation's last token, in packed
     forwards of at most ``max_tokens`` tokens (a prompt's responses share it where the attention
     allows, as in the trainer)."""
@@ -77,12 +80,10 @@ class RewardModelScorer:
         check_weights(path, "--reward-model", value_head=True)
         self.model = load_value_model(path, dtype=dtype)
         self.model.to(device).eval()  # type: ignore[arg-type]  # transformers 5.19 types .to's wrapper wrongly
-        labels = cast(dict[int, str], self.model.config.id2label)
-        self.names = [labels[i] for i in sorted(labels)]
+        self.names = head_names(self.model)
         self.max_tokens = max_tokens
         self.lock = threading.Lock()  # one forward at a time: requests arrive on several threads
 
-    @torch.no_grad()
     def score(self, items: Sequence[ScoreItem]) -> Scores:
         sequences: list[list[int]] = []
         prompt_lens: list[int] = []
@@ -99,56 +100,28 @@ class RewardModelScorer:
             sequences.append(full_ids[0])
             prompt_lens.append(len(prompt_ids[0]))
             scored.append(i)
-        rewards: list[torch.Tensor | None] = [None] * len(items)
         with self.lock:
-            for indices, values in self._forwards(sequences, prompt_lens):
-                for j, value in zip(indices, values):
-                    rewards[scored[j]] = value
+            heads = reward_model_heads(self.model, sequences, prompt_lens, self.max_tokens, share_prompts=True)
+        rewards: list[torch.Tensor | None] = [None] * len(items)
+        for i, values in zip(scored, heads):
+            rewards[i] = values
         return {name: [None if r is None else float(r[c]) for r in rewards] for c, name in enumerate(self.names)}
-
-    def _forwards(self, sequences: list[list[int]], prompt_lens: list[int]) -> Iterator[tuple[list[int], torch.Tensor]]:
-        """``(indices into sequences, (N, C) rewards)`` per packed forward."""
-        if not sequences:
-            return
-        if runs_shared_prompts(self.model):
-            groups = prompt_groups(sequences, prompt_lens, self.max_tokens)
-        else:
-            groups = [(0, [i]) for i in range(len(sequences))]
-        for micro in plan_micro_batches(group_tokens(sequences, groups), self.max_tokens):
-            chosen = [groups[g] for g in micro]
-            packed = pack_groups(sequences, chosen, self.tokenizer.pad_token_id or 0)
-            per_token = packed_forward(self.model, packed).float()  # (1, T, C)
-            yield [i for _, members in chosen for i in members], last_token(per_token, packed)  # (N, C)
 
 
 class VerifierScorer:
     """``math``, ``format`` and/or ``code``, computed in a pool of reward worker processes."""
 
-    def __init__(self, pool: RewardPool, args: argparse.Namespace):
-        self.pool, self.timeout_s = pool, args.verifier_timeout
-        self.math_field, self.math_pattern, self.format_pattern = (
-            args.math_field,
-            args.math_pattern,
-            args.format_pattern,
-        )
-        self.code_field = args.code_field
-        self.names = [name for name, on in (("math", args.math_field), ("format", self.format_pattern)) if on]
-        self.names += ["code"] if self.code_field else []
+    def __init__(self, pool: RewardPool, verifiers: Sequence[PoolComponent]):
+        self.pool, self.verifiers = pool, list(verifiers)
+        self.names = [v.name for v in self.verifiers]
         self.lock = threading.Lock()  # the pool serves one batch at a time
 
     def score(self, items: Sequence[ScoreItem]) -> Scores:
         calls: dict[tuple[str, int], Call] = {}
-        limits = [CODE_LIMITS.cpu_s, CODE_LIMITS.wall_s, CODE_LIMITS.memory_mb]
         for i, item in enumerate(items):
-            answer = item.fields.get(self.math_field) if self.math_field else None
-            if answer is not None:  # an item without the reference answer cannot be scored
-                args = [item.response, answer, self.math_pattern]
-                calls["math", i] = Call(MATH_REWARD, args, timeout_s=self.timeout_s)
-            if self.format_pattern:
-                calls["format", i] = Call(FORMAT_REWARD, [item.response, self.format_pattern], timeout_s=self.timeout_s)
-            tests = item.fields.get(self.code_field) if self.code_field else None
-            if tests is not None:
-                calls["code", i] = Call(CODE_REWARD, [item.response, tests, *limits], timeout_s=CODE_LIMITS.wall_s + 5)
+            for v in self.verifiers:  # an item without a verifier's field (the answer, the tests) cannot be scored
+                if all(item.fields.get(column) is not None for column in v.fields.values()):
+                    calls[v.name, i] = v.call(item.prompt, item.response, item.fields)
         with self.lock:
             outcomes = dict(zip(calls, self.pool.run(list(calls.values()))))
         for (name, i), outcome in outcomes.items():
@@ -161,11 +134,30 @@ class VerifierScorer:
 
     def warm_up(self, workers: int) -> None:
         """Import math-verify (sympy: seconds) in every worker before the first request."""
-        if self.math_field:
-            check = Call(MATH_REWARD, ["\\boxed{1/2}", "0.5"], timeout_s=300)
+        verifier = next((v for v in self.verifiers if v.name == "math"), None)
+        if verifier is not None:
+            check = Call(verifier.function, ["\\boxed{1/2}", "0.5"], timeout_s=300)
             for outcome in self.pool.run([check] * workers):
                 if outcome.value != 1.0:
                     raise RuntimeError(f"the math verifier does not run in the reward workers: {outcome.error}")
+
+
+def verifiers(args: argparse.Namespace) -> list[PoolComponent]:
+    """The verifiers the flags ask for, in the order served: math, format, code."""
+    served = []
+    if args.math_field:
+        section = MathReward(field=args.math_field, pattern=args.math_pattern)
+        served.append(math_verifier(section, args.verifier_timeout))
+    if args.format_pattern:
+        served.append(format_verifier(FormatReward(pattern=args.format_pattern), args.verifier_timeout))
+    if args.code_field:
+        served.append(code_verifier(code_section(args)))
+    return served
+
+
+def code_section(args: argparse.Namespace) -> CodeReward:
+    """``rewards.code`` as the flags give it: --code-field and the --code-* limits (ValidationError out of range)."""
+    return CodeReward(field=args.code_field, **{limit: getattr(args, f"code_{limit}") for limit in CODE_LIMITS})
 
 
 def build_app(scorers: Sequence[Scorer]) -> FastAPI:
@@ -223,7 +215,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--format-pattern", default="", help="regex a response must contain: component format")
     parser.add_argument("--code-field", default="", help="the row field with the tests: component code (sandboxed)")
     parser.add_argument("--workers", type=int, default=2, help="reward worker processes for the verifiers")
-    parser.add_argument("--verifier-timeout", type=float, default=10.0, help="seconds per verifier call")
+    parser.add_argument("--verifier-timeout", type=float, default=10.0, help="seconds per verifier call (not code's)")
+    for limit in CODE_LIMITS:
+        field = CodeReward.model_fields[limit]
+        parser.add_argument(
+            f"--code-{limit.replace('_', '-')}",
+            type=type(field.default),
+            default=field.default,
+            help=f"{field.description} (as rewards.code.{limit}; default %(default)s)",
+        )
     args = parser.parse_args(argv)
     if not (args.reward_model or args.math_field or args.format_pattern or args.code_field):
         parser.error("nothing to serve: give --reward-model, --math-field, --format-pattern and/or --code-field")
@@ -234,6 +234,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)!r} is not a regular expression: {e}")
     if args.workers < 1 or args.max_tokens < 1:
         parser.error(f"--workers ({args.workers}) and --max-tokens ({args.max_tokens}) must be at least 1")
+    try:
+        code_section(args)
+    except ValidationError as e:
+        error = e.errors()[0]
+        limit = str(error["loc"][0])
+        parser.error(f"--code-{limit.replace('_', '-')} {getattr(args, f'code_{limit}')}: {error['msg']}")
     return args
 
 
@@ -246,11 +252,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             if args.reward_model:
                 dtype = getattr(torch, args.dtype)
-                scorers.append(RewardModelScorer(args.reward_model, args.device, dtype, args.max_tokens))
+                scorers.append(ServerRewardModel(args.reward_model, args.device, dtype, args.max_tokens))
             if pool is not None:
-                verifiers = VerifierScorer(pool, args)
-                verifiers.warm_up(args.workers)
-                scorers.append(verifiers)
+                verifier_scorer = VerifierScorer(pool, verifiers(args))
+                verifier_scorer.warm_up(args.workers)
+                scorers.append(verifier_scorer)
             app = build_app(scorers)
         except (RunRefused, OSError, ValueError, RuntimeError) as e:
             print(f"reward server: {e}", file=sys.stderr)

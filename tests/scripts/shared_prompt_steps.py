@@ -37,13 +37,14 @@ from engine.data.preferences import collate_pairs, load_preferences
 from engine.dpo.training import PreferenceLossSettings, dpo_step
 from engine.models.loading import load_causal_lm, load_value_model
 from engine.ppo.experience import Experience
-from engine.ppo.forwards import micro_batches, pad_right, sequence_logprobs
+from engine.ppo.forwards import pad_right, sequence_logprobs
 from engine.ppo.losses import aggregation_weights
 from engine.ppo.settings import PolicyLossSettings, UpdateSettings
 from engine.ppo.update import actor_step, actor_token_loss, critic_step
 from engine.rm.losses import pair_losses
 from engine.rm.reward_model import score_pairs
 from engine.run.distributed import all_reduce, shutdown_distributed
+from engine.run.micro_batches import micro_batches
 
 COMPONENTS = ["helpful", "harmless"]
 WEIGHTS = torch.tensor([1.0, 1.0])
