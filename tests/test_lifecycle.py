@@ -23,7 +23,7 @@ from engine.run.guards import RollbackGuard, Stateful
 from engine.run.launch import RunArgs, RunRefused
 from engine.run.lifecycle import RunLifecycle
 from engine.run.output_dir import existing_run
-from engine.run_config.common import CheckpointSection
+from engine.run_config.common import CheckpointSection, LoggingSection
 
 
 @dataclass
@@ -77,10 +77,7 @@ def start(run: RunLifecycle, engine) -> None:
         export_engine=engine,
         config={"test": True},
         total_steps=10,
-        use_tensorboard=False,
-        use_wandb=False,
-        wandb_project="test",
-        progress_bar=False,
+        logging=LoggingSection(tensorboard=False, wandb=False, wandb_project="test", progress_bar=False),
         desc="test",
     )
 

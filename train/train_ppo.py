@@ -134,10 +134,7 @@ def main() -> int:
         export_engine=engines.actor,
         config=config_to_dict(cfg),
         total_steps=iterations,
-        use_tensorboard=cfg.logging.tensorboard,
-        use_wandb=cfg.logging.wandb,
-        wandb_project=cfg.logging.wandb_project,
-        progress_bar=cfg.logging.progress_bar,
+        logging=cfg.logging,
         desc="ppo",
     )
     update = UpdateSettings.from_config(cfg, value_weights, tokenizer.pad_token_id, engines.critic)

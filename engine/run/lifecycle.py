@@ -2,7 +2,7 @@
 
     run = RunLifecycle(output_dir=..., run_args=..., identity={...}, ...)   # before any model loads
     run.track("kl_controller", kl_ctl, rolls_back=True)                     # state a checkpoint carries
-    run.start(engines={"actor": ..., "critic": ...}, lr_engine=..., export_engine=...)
+    run.start(engines={"actor": ..., "critic": ...}, lr_engine=..., logging=cfg.logging, ...)
     while run.step < total:
         ...one step...; run.step += 1
         run.log(metrics); run.end_of_step(total, good=evaluated)           # saves; RunEnded on a stop
@@ -53,7 +53,7 @@ from engine.run.distributed import agree_max
 from engine.run.guards import NonFiniteGuard, RollbackGuard, TrainingAborted
 from engine.run.launch import GracefulStop, RunArgs, RunRefused
 from engine.run.output_dir import check_output_dir, remove_run
-from engine.run_config.common import CheckpointSection
+from engine.run_config.common import CheckpointSection, LoggingSection
 
 
 class Checkpointable(Protocol):
@@ -153,15 +153,13 @@ class RunLifecycle:
         export_engine,
         config: dict[str, Any],
         total_steps: int,
-        use_tensorboard: bool,
-        use_wandb: bool,
-        wandb_project: str,
-        progress_bar: bool,
+        logging: LoggingSection,
         desc: str,
     ) -> None:
         """After the engines (and the sampler) exist: make room (--overwrite), check the disk, resume,
-        open the logger and the progress bar. ``engines`` are checkpointed; the guards scale
-        ``lr_engine``'s LR. Register with :meth:`track` and :meth:`after_restore` before."""
+        open the logger and the progress bar (``logging``: the sinks, the bar; ``desc`` labels it).
+        ``engines`` are checkpointed; the guards scale ``lr_engine``'s LR. Register with :meth:`track`
+        and :meth:`after_restore` before."""
         self.engines, self.lr_engine = engines, lr_engine
         if self.run_args.overwrite and self.rank == 0:
             remove_run(self.output_dir, self.export_dir)
@@ -181,16 +179,18 @@ class RunLifecycle:
             self.output_dir,
             config,
             enabled=self.rank == 0,
-            use_tensorboard=use_tensorboard,
-            use_wandb=use_wandb,
-            wandb_project=wandb_project,
+            use_tensorboard=logging.tensorboard,
+            use_wandb=logging.wandb,
+            wandb_project=logging.wandb_project,
             resume_step=self.step if self.resume_from else None,
         )
         if self.identity_changes:
             self.event("config_changed", f"resumed with --allow-config-change: {self.identity_changes}")
         self.total_steps = total_steps
         self.saved_at = time.monotonic()
-        self.bar = tqdm(total=total_steps, initial=self.step, disable=self.rank != 0 or not progress_bar, desc=desc)
+        self.bar = tqdm(
+            total=total_steps, initial=self.step, disable=self.rank != 0 or not logging.progress_bar, desc=desc
+        )
         self.stop = GracefulStop()  # after vLLM started: its engine installs handlers of its own
 
     def _restore(self, path: str, rollback: bool) -> dict[str, Any]:
