@@ -74,7 +74,8 @@ def test_one_version_behind_trains_evaluates_and_exports(stale_run):
     assert all(0 <= v < 1 for v in metric_series(run, "ppo/tis_truncated").values())
     checked = metric_series(run, "ppo/sync_check_gap")  # vLLM re-scored iteration t's sequences, compared at t + 1
     assert list(checked) == [2, 3] and all(v < 1e-5 for v in checked.values()), checked
-    assert all(v > 0 for v in metric_series(run, "timing/rollout_wait_s").values())
+    waited, took = metric_series(run, "timing/rollout_wait_s"), metric_series(run, "timing/iteration_s")
+    assert list(waited) == [1, 2, 3] and all(0 < waited[s] < took[s] for s in waited), (waited, took)
     assert set(metric_series(run, "eval/reward")) == {0, ITERATIONS}
     assert not read_events(run)
     assert (run / "actor" / "model.safetensors").exists()

@@ -1,5 +1,5 @@
-"""Greedy exact-match accuracy (engine/rewards/exact_match.py) with real tiny models: an untrained one
-scores 0, one fitted to a worked problem scores its answer 1 and another answer 0, and the command
+"""Greedy exact-match accuracy (engine/rewards/exact_match.py) with real tiny models: one fitted to a
+worked problem scores its answer 1 and another answer 0, an untrained one scores 0, and the command
 line reads a prompts parquet and prints the share."""
 
 from __future__ import annotations
@@ -21,12 +21,6 @@ def user(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
 
-def test_an_untrained_model_scores_zero(tiny_model_dir):
-    prompts = [user(f"Leo has {a} cards and finds {a + 1} more cards. How many cards does he have?") for a in range(8)]
-    answers = [str(2 * a + 1) for a in range(8)]
-    assert exact_match.greedy_accuracy(str(tiny_model_dir), prompts, answers, max_new_tokens=16, batch_size=3) == 0.0
-
-
 def fitted_model(tmp_path):
     """A 1-layer model fitted (full-sequence loss, 200 Adam steps, a few seconds) to PROBLEM -> WORKED."""
     text = tmp_path / "text.jsonl"
@@ -46,12 +40,13 @@ def fitted_model(tmp_path):
     return out, tokenizer, model.eval()
 
 
-def test_the_greedy_answer_counts_and_another_does_not(tmp_path, capsys):
+def test_the_greedy_answer_counts_and_another_does_not(tmp_path, tiny_model_dir, capsys):
     out, tokenizer, model = fitted_model(tmp_path)
     prompts = [user(PROBLEM), user(PROBLEM.replace("Mia", "Ava"))]
     responses = exact_match.greedy_responses(model, tokenizer, prompts, max_new_tokens=16, batch_size=2)
     assert responses[0] == WORKED  # left padding and the chat template as the trainers render it
-    assert exact_match.greedy_accuracy(str(out), [user(PROBLEM)] * 2, ["12", 13], max_new_tokens=16) == 0.5
+    for model_dir, share in ((out, 0.5), (tiny_model_dir, 0.0)):  # the untrained model answers nothing
+        assert exact_match.greedy_accuracy(str(model_dir), [user(PROBLEM)] * 2, ["12", 13], max_new_tokens=16) == share
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text(

@@ -1,15 +1,24 @@
 """Reward-hacking monitors on constructed cases: the measures, each flag, raising once while a
-condition holds, the KL limit's defaults, the checkpointed state, and the win-rate rule."""
+condition holds, the KL limit's defaults, the checkpointed state, and the win-rate rule; the held-out
+evaluation's measures on scripted responses, counted by hand."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.config import build_config
-from engine.ppo.evaluation import win_scores
+from engine.data.prompts import Prompt
+from engine.ppo.evaluation import HeldOutEvaluator, win_scores
 from engine.ppo.monitors import HackingMonitor, MonitorLimits, distinct_share, repeated_ngrams, within_prompt_diversity
+from engine.ppo.rewards import RewardScorer, Scorers
+from engine.rewards.components import RewardComponents
+from engine.rollout.sampler import Sample, Sampler, SamplingSettings
 from engine.run_config import PPOConfig
+from engine.run_config.rewards import LengthPenalty, RewardsSection
 
 REFERENCE = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25]]
 LIMITS = MonitorLimits(
@@ -126,3 +135,50 @@ def test_win_scores_count_ties_half():
     policy, reference = torch.tensor([1.0, 0.0, 2.0, 3.0]), torch.tensor([0.5, 0.5, 2.0, 4.0])
     assert win_scores(policy, reference).tolist() == [1.0, 0.0, 0.5, 0.0]
     assert win_scores(reference, reference).mean().item() == 0.5
+
+
+class ScriptedSampler(Sampler):
+    """Fixed responses: the reference's while loaded with the reference's weights, else the policy's."""
+
+    def __init__(self, policy: list[list[int]], reference: list[list[int]]):
+        self.policy, self.reference, self.current = policy, reference, policy
+
+    def generate(self, prompts, settings, request_seed):
+        return [[Sample(p, r, [0.0] * len(r), True)] for p, r in zip(prompts, self.current)]
+
+    def sync_weights(self, engine) -> None:
+        self.current = self.policy
+
+    def loaded_with(self, engine) -> Sampler:
+        self.current = self.reference
+        return self
+
+
+def test_the_held_out_evaluation_measures_what_the_monitors_read(process_group, tiny_model_dir):
+    """HeldOutEvaluator's length ratio, repeated and distinct bigrams, win rate and KL on scripted
+    responses, against values counted by hand."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    prompts = [Prompt([{"role": "user", "content": f"Question {i}?"}], {}) for i in range(4)]
+    reference = [[5, 6, 7, 8], [9, 10, 11], [5, 6, 7, 8], [12, 13]]
+    policy = [[5, 6, 5, 6, 5, 6], [9, 9, 9, 9, 9, 9], [14, 15, 16, 17, 18], [12, 13, 12, 13]]
+    section = RewardsSection(length=LengthPenalty(target_tokens=4))  # 0 up to 4 tokens, -1 at 8
+    scorer = RewardScorer(None, RewardComponents(section, max_new_tokens=8), section)
+    evaluator = HeldOutEvaluator(
+        prompts, tokenizer, Scorers(scorer, None), SamplingSettings(max_new_tokens=8), 256, (2, 2)
+    )
+    sampler = ScriptedSampler(policy, reference)
+    evaluator.sample_reference(sampler, SimpleNamespace(actor=model, ref=SimpleNamespace(module=model)))
+    metrics, rows = evaluator.evaluate(sampler, model, model, sample_rows=2)
+    expected = {
+        "length_ratio": 21 / 13,  # 6 + 6 + 5 + 4 tokens against 4 + 3 + 4 + 2
+        "repeated_ngram_frac": 8 / 17,  # 3 + 4 + 0 + 1 bigrams seen before in their response, of 5 + 5 + 4 + 3
+        "distinct_ratio": (9 / 17) / (6 / 9),  # distinct bigrams over all responses: 9 of 17 against 6 of 9
+        "reward": -1.25 / 4,  # length penalties -0.5, -0.5, -0.25, 0; the reference's all 0
+        "ref_reward": 0.0,
+        "win_rate": 0.5 / 4,  # three losses and a tie
+        "kl": 0.0,  # the policy is the reference
+        "reward_length": 21 / 4,
+    }
+    assert {k: metrics[k] for k in expected} == pytest.approx(expected, abs=1e-6)
+    assert [row["ref_response"] for row in rows] == tokenizer.batch_decode(reference[:2], skip_special_tokens=True)

@@ -1,4 +1,5 @@
-"""PPO (REINFORCE++, no critic) without a reward model, on reward components alone: a verifier,
+"""PPO (REINFORCE++, no critic) without a reward model, on reward components alone: a verifier (math-verify
+on a pattern that the server's format component also checks, so the two must agree),
 reward functions that read their row's ground truth (one of them failing on some responses), a
 length penalty and a real reward server on localhost that goes down mid-run (clean stop, exit 2,
 checkpoint; --resume completes the run). The dry run's plan names no reward model. The rollouts
@@ -73,7 +74,8 @@ def setup(tmp_path_factory, rm_data):
     root = tmp_path_factory.mktemp("reward_components")
     messages = pq.read_table(rm_data / "prompts_train.parquet").column("prompt").to_pylist()[:64]
     answers = [next(t for t in TOPICS if t in m[-1]["content"]) for m in messages]
-    pq.write_table(pa.table({"prompt": messages, "answer": answers}), root / "prompts.parquet")
+    table = pa.table({"prompt": messages, "answer": answers, "letter": ["e"] * len(messages)})
+    pq.write_table(table, root / "prompts.parquet")
     (root / "my_rewards.py").write_text(textwrap.dedent(REWARD_FUNCTIONS))
     port = free_port()
     server = start_server(port, root / "server.log")
@@ -88,7 +90,7 @@ def write_config(root: Path, tiny_model_dir: Path, port: int, out: str, **reward
         "data": {"prompts": str(root / "prompts.parquet")},
         "deepspeed": "tiny_cpu_zero3.json",
         "rewards": {
-            "math": {"field": "answer"},
+            "math": {"field": "letter", "pattern": "(e)"},  # 1.0 where an 'e' is found: the server's format too
             "length": {"target_tokens": 8, "weight": 0.5},
             "functions": {
                 "grounded": {"function": "my_rewards:grounded", "weight": 0.5, "fields": ["answer"]},
@@ -187,4 +189,7 @@ def test_a_run_on_reward_components_stops_cleanly_when_the_server_goes_down(setu
         assert sorted(metric_series(run, key)) == list(range(1, ITERATIONS + 1)), key
     errors = metric_series(run, "reward/picky/errors")
     assert 0 < max(errors.values()) < 1 and max(metric_series(run, "reward/picky/timeouts").values()) == 0
-    assert min(metric_series(run, "reward/remote_format").values()) > 0
+    served = metric_series(run, "reward/remote_format")
+    assert min(served.values()) > 0
+    assert metric_series(run, "reward/math") == pytest.approx(served)  # math-verify in the pool, a regex in the server
+    assert -1 <= min(metric_series(run, "reward/length").values()) < 0  # some responses longer than 8 tokens

@@ -203,7 +203,8 @@ def test_one_rank_step_and_evaluation_equal_a_naive_padded_computation(
     loss, chosen, rejected = naive_losses(rows, naive_ref, "dpo", 0.5, 0.0, 0.0)
     assert held_out["loss"] == pytest.approx(loss.mean().item(), abs=1e-5)
     assert held_out["margin"] == pytest.approx((chosen - rejected).mean().item(), abs=1e-5)
-    assert held_out["kl"] > 0
+    naive = naive_evaluation(merged, base, pairs, PreferenceLossSettings("dpo", 0.5, 0.0, 0.0))
+    assert held_out["kl"] == pytest.approx(naive["kl"], rel=1e-3) and 0 < held_out["kl"] < naive["exact_kl"]
 
 
 def test_the_plan_names_the_loss_and_the_reference_pass(tiny_model_dir, rm_data, tmp_path, capsys):

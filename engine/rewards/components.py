@@ -64,16 +64,22 @@ class RewardComponents:
         self.client = (
             RewardServerClient(remote.url, remote.timeout_s, remote.retries, remote.backoff_s) if remote else None
         )
-        self.pool = RewardPool(rewards.workers) if self.in_pool else None
+        modules = [m for c in self.in_pool for m in c.modules]
+        self.pool = RewardPool(rewards.workers, modules, rewards.import_timeout_s) if self.in_pool else None
 
     @property
     def names(self) -> list[str]:
         return list(self.weights)
 
     def check(self, key: str = "rewards") -> None:
-        """Before any model loads: every function imports and takes its arguments; the server is up
-        and serves the configured components. :class:`RewardsConfigError` naming the key (under
-        ``key``, the section's dotted path) if not."""
+        """Before any model loads: the workers imported every component's modules, each function takes
+        its arguments; the server is up and serves the configured components. :class:`RewardsConfigError`
+        naming the key (under ``key``, the section's dotted path) if not."""
+        if self.pool and (failed := self.pool.warm_up()):
+            module, why = failed
+            owner = next(c for c in self.in_pool if module in c.modules)
+            where = f"functions.{owner.name}.function" if owner.with_prompt else owner.name
+            raise RewardsConfigError(f"'{key}.{where}': a reward worker could not import {module}: {why}")
         for c in self.in_pool:
             if c.with_prompt and self.pool and (error := self.pool.check(c.function, 2, list(c.fields))):
                 raise RewardsConfigError(f"'{key}.functions.{c.name}.function': {error}")

@@ -5,12 +5,15 @@ A batch of calls is spread over the workers, one call per worker at a time. A ca
 gives its traceback; a call that runs past its timeout, or a worker that dies, gets its worker
 killed (its whole process group) and replaced, and that call alone fails: the batch goes on.
 Functions are named ``"module:function"`` and imported in the workers, which start in the
-trainer's working directory with it on their import path.
+trainer's working directory with it on their import path. Each worker imports the pool's ``imports``
+when it starts (the warm-up), so no call's timeout pays for a slow import; :meth:`RewardPool.warm_up`
+waits for it, with a timeout, before the first batch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import selectors
@@ -44,36 +47,74 @@ class Outcome:
 
 
 class _Worker:
-    def __init__(self) -> None:
+    def __init__(self, imports: Sequence[str]) -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH", "")) if p)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "engine.rewards.worker"],
+            [sys.executable, "-m", "engine.rewards.worker", *imports],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            bufsize=0,  # stdout unbuffered: a line is read only after select() saw it, never from a buffer
             start_new_session=True,  # its own process group: a kill takes what the function started
             env=env,
         )
-        self.stdin: IO[bytes] = self.process.stdin  # type: ignore[assignment]
+        self.stdin: IO[bytes] = io.BufferedWriter(self.process.stdin)  # type: ignore[type-var]
         self.stdout: IO[bytes] = self.process.stdout  # type: ignore[assignment]
+        self.warming = True  # until its ready line is read
 
     def send(self, request: dict[str, Any]) -> None:
         self.stdin.write((json.dumps(request) + "\n").encode())
         self.stdin.flush()
 
+    def read_line(self, deadline: float) -> dict[str, Any] | None:
+        """The next line it writes, parsed; None when none comes by ``deadline`` or it died."""
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.stdout, selectors.EVENT_READ)
+            if not selector.select(timeout=max(0.0, deadline - time.monotonic())):
+                return None
+        line = self.stdout.readline()
+        return json.loads(line) if line else None
+
+    def wait_ready(self, timeout_s: float) -> tuple[str, str] | None:
+        """Wait for its warm-up: None when it imported everything, else (module, why not)."""
+        deadline, module = time.monotonic() + timeout_s, "?"
+        while self.warming:
+            line = self.read_line(deadline)
+            if line is None:
+                code = self.process.poll()
+                return module, f"not imported within {timeout_s:g} s" if code is None else f"exit code {code}"
+            if "importing" in line:
+                module = line["importing"]
+                continue
+            self.warming = False
+            if not line["ready"]:
+                return line["module"], line["error"].strip().splitlines()[-1]
+        return None
+
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
-        self.stdin.close()
+        with contextlib.suppress(OSError):  # a request it did not take: its buffer cannot be flushed
+            self.stdin.close()
         self.stdout.close()
 
 
 class RewardPool:
-    """``size`` worker processes; :meth:`run` a batch of calls, :meth:`close` at the end."""
+    """``size`` worker processes importing ``imports`` (modules) when they start; :meth:`warm_up`,
+    then :meth:`run` batches of calls, :meth:`close` at the end. A worker's warm-up or :meth:`check`
+    waits at most ``import_timeout_s``."""
 
-    def __init__(self, size: int):
-        self.workers = [_Worker() for _ in range(size)]
+    def __init__(self, size: int, imports: Sequence[str] = (), import_timeout_s: float = 120.0):
+        self.imports, self.import_timeout_s = list(dict.fromkeys(imports)), import_timeout_s
+        self.workers = [_Worker(self.imports) for _ in range(size)]
+
+    def warm_up(self) -> tuple[str, str] | None:
+        """Wait for every worker's imports: None, or (module, why not) for the first that failed."""
+        for worker in self.workers:
+            if failed := worker.wait_ready(self.import_timeout_s):
+                return failed
+        return None
 
     def run(self, calls: Sequence[Call]) -> list[Outcome]:
         """The outcome of every call, in order; each call fails alone (error, timeout, dead worker)."""
@@ -100,11 +141,14 @@ class RewardPool:
                 now = time.monotonic()
                 for key, _ in selector.select(timeout=max(0.0, min(d for _, d in busy.values()) - now)):
                     slot = key.data
+                    line = self.workers[slot].stdout.readline()
+                    reply = json.loads(line) if line else None
+                    if reply is not None and "id" not in reply:  # a new worker's warm-up: the reply is to come
+                        self.workers[slot].warming = "importing" in reply
+                        continue
                     i, _ = busy.pop(slot)
                     selector.unregister(key.fileobj)
-                    line = self.workers[slot].stdout.readline()
-                    if line:
-                        reply = json.loads(line)
+                    if reply is not None:
                         outcomes[i] = Outcome(reply.get("value"), reply.get("error"))
                     else:
                         code = self.workers[slot].process.wait()
@@ -125,17 +169,21 @@ class RewardPool:
         """None when a worker can import ``function`` and call it with ``positional`` arguments and
         ``keywords``; else the reason (the last line of the error)."""
         worker = self.workers[0]
-        worker.send({"id": 0, "check": function, "args": positional, "kwargs": list(keywords)})
-        line = worker.stdout.readline()
-        if not line:
+        if failed := worker.wait_ready(self.import_timeout_s):
             self._replace(0)
-            return "the reward worker died while importing it"
-        error = json.loads(line).get("error")
+            return f"the reward worker's warm-up failed: {failed[0]}: {failed[1]}"
+        worker.send({"id": 0, "check": function, "args": positional, "kwargs": list(keywords)})
+        reply = worker.read_line(time.monotonic() + self.import_timeout_s)
+        if reply is None:
+            self._replace(0)
+            return f"the reward worker died or took more than {self.import_timeout_s:g} s importing it"
+        error = reply.get("error")
         return error.strip().splitlines()[-1] if error else None
 
     def _replace(self, slot: int) -> None:
+        """A new worker in ``slot``: its first call's timeout includes its warm-up."""
         self.workers[slot].kill()
-        self.workers[slot] = _Worker()
+        self.workers[slot] = _Worker(self.imports)
 
     def close(self) -> None:
         for worker in self.workers:

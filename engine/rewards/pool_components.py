@@ -27,6 +27,12 @@ class PoolComponent:
     fields: dict[str, str]  # keyword argument -> prompt-data column
     options: dict[str, Any]  # further keyword arguments (a built-in's settings)
     with_prompt: bool  # f(prompt, response, ...) (a user's function) or f(response, ...) (a built-in)
+    warm: tuple[str, ...] = ()  # modules its calls import late and slowly
+
+    @property
+    def modules(self) -> list[str]:
+        """What a reward worker imports when it starts, for this component: the function's module and ``warm``."""
+        return [self.function.partition(":")[0], *self.warm]
 
     def call(self, prompt: Sequence[dict[str, str]], response: str, row: dict[str, Any]) -> Call:
         """The call for ``response`` to ``prompt`` (chat messages), ``row`` its prompt-data row."""
@@ -46,6 +52,7 @@ def math_verifier(math: MathReward, timeout_s: float) -> PoolComponent:
         {"answer": math.field},
         {"pattern": math.pattern},
         with_prompt=False,
+        warm=("math_verify",),  # sympy: seconds to import
     )
 
 
@@ -61,6 +68,7 @@ def code_verifier(code: CodeReward) -> PoolComponent:
         {"tests": code.field},
         {"cpu_s": code.cpu_s, "wall_s": code.wall_s, "memory_mb": code.memory_mb},
         with_prompt=False,
+        warm=("engine.rewards.sandbox",),
     )
 
 

@@ -132,15 +132,6 @@ class VerifierScorer:
             for name in self.names
         }
 
-    def warm_up(self, workers: int) -> None:
-        """Import math-verify (sympy: seconds) in every worker before the first request."""
-        verifier = next((v for v in self.verifiers if v.name == "math"), None)
-        if verifier is not None:
-            check = Call(verifier.function, ["\\boxed{1/2}", "0.5"], timeout_s=300)
-            for outcome in self.pool.run([check] * workers):
-                if outcome.value != 1.0:
-                    raise RuntimeError(f"the math verifier does not run in the reward workers: {outcome.error}")
-
 
 def verifiers(args: argparse.Namespace) -> list[PoolComponent]:
     """The verifiers the flags ask for, in the order served: math, format, code."""
@@ -246,7 +237,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    pool = RewardPool(args.workers) if args.math_field or args.format_pattern or args.code_field else None
+    served = verifiers(args)
+    pool = RewardPool(args.workers, [m for v in served for m in v.modules]) if served else None
     try:
         scorers: list[Scorer] = []
         try:
@@ -254,9 +246,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 dtype = getattr(torch, args.dtype)
                 scorers.append(ServerRewardModel(args.reward_model, args.device, dtype, args.max_tokens))
             if pool is not None:
-                verifier_scorer = VerifierScorer(pool, verifiers(args))
-                verifier_scorer.warm_up(args.workers)
-                scorers.append(verifier_scorer)
+                if failed := pool.warm_up():  # math-verify's sympy imported before the first request
+                    raise RuntimeError(f"a reward worker could not import {failed[0]}: {failed[1]}")
+                scorers.append(VerifierScorer(pool, served))
             app = build_app(scorers)
         except (RunRefused, OSError, ValueError, RuntimeError) as e:
             print(f"reward server: {e}", file=sys.stderr)

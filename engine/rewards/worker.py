@@ -8,6 +8,10 @@ Requests and replies are JSON lines on stdin / the original stdout:
 * ``{"id": k, "check": "module:function", "args": n, "kwargs": [...]}`` -> ``{"id": k, "value": 0}`` when the
   function imports and accepts ``n`` positional arguments and those keywords, else the error.
 
+Before the first request it imports the modules named on its command line (the warm-up: math-verify's
+sympy, a user's module), writing ``{"importing": module}`` before each and then ``{"ready": true}``, or
+``{"ready": false, "module": module, "error": "<traceback>"}`` for the first that fails.
+
 What a function prints goes to stderr, so it cannot corrupt the replies.
 """
 
@@ -61,12 +65,28 @@ def answer(request: dict[str, Any]) -> dict[str, Any]:
         return {"id": request["id"], "error": traceback.format_exc(limit=-8)}
 
 
+def warm_up(modules: list[str], reply: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Import ``modules`` in order, ``reply``-ing which one is next; the ready line."""
+    for module in modules:
+        reply({"importing": module})
+        try:
+            importlib.import_module(module)
+        except BaseException:  # SystemExit too: a module that exits on import must not end the worker
+            return {"ready": False, "module": module, "error": traceback.format_exc(limit=-8)}
+    return {"ready": True}
+
+
 def main() -> None:
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # a function's prints, even os.write(1, ...), go to stderr: they cannot mix with the replies
     sys.stdout = sys.stderr
+
+    def reply(message: dict[str, Any]) -> None:
+        replies.write(json.dumps(message) + "\n")
+
+    reply(warm_up(sys.argv[1:], reply))
     for line in sys.stdin:
-        replies.write(json.dumps(answer(json.loads(line))) + "\n")
+        reply(answer(json.loads(line)))
 
 
 if __name__ == "__main__":

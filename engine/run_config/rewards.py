@@ -85,6 +85,12 @@ class RewardsSection(Config):
     remote: RemoteReward | None = option(None, "components scored by a reward server")
     workers: int = option(2, "reward worker processes per rank (math, code, format and functions run there)", ge=1)
     timeout_s: float = option(10.0, "per-response timeout of a reward function (code: its wall_s + 5)", gt=0)
+    import_timeout_s: float = option(
+        120.0,
+        "seconds a reward worker may take to import the components' modules when it starts (math-verify's sympy, "
+        "a function's module); a module that fails or takes longer refuses the run before any model loads",
+        gt=0,
+    )
     max_failure_share: float = option(
         0.5,
         "stop the run (checkpoint, exit 2) when a component fails on more than this share of a batch's responses",
