@@ -19,6 +19,7 @@ LAYERS = [
     ("engine.run",),
     ("engine.rollout",),
     ("engine.rewards",),
+    ("engine.environments",),
     ("engine.sft", "engine.rm", "engine.ppo", "engine.dpo"),
     ("train",),
 ]

@@ -33,7 +33,13 @@ from engine.ppo.engines import (
     critic_value_weights,
 )
 from engine.ppo.evaluation import HeldOutEvaluator, held_out_eval
-from engine.ppo.inputs import check_models, load_fitting_prompts, reward_components, reward_model_inputs
+from engine.ppo.inputs import (
+    check_models,
+    episode_runner,
+    load_fitting_prompts,
+    reward_components,
+    reward_model_inputs,
+)
 from engine.ppo.iteration import PPOIteration
 from engine.ppo.settings import ExperienceSettings, UpdateSettings
 from engine.rewards.components import RewardsUnavailable
@@ -64,6 +70,7 @@ def main() -> int:
             f"{cfg.rollout.prompts_per_iteration}"
         )
     components = reward_components(cfg)
+    episodes = episode_runner(cfg, tokenizer)
     if run_args.dry_run:
         return (
             ppo_plan(
@@ -108,7 +115,7 @@ def main() -> int:
     scorers = build_scorers(cfg, engines, tokenizers, components)
     sampler = build_sampler(cfg, engines.actor, tokenizer, rank, split)
     value_weights = critic_value_weights(cfg, scorers.run.reward_model)
-    collector = RolloutCollector.for_run(cfg, prompts, sampler, scorers.run, tokenizer)
+    collector = RolloutCollector.for_run(cfg, prompts, sampler, scorers.run, tokenizer, episodes)
     run.track("rollout", collector, rolls_back=True)  # the prompt position and the groups waiting
     evaluator = (
         HeldOutEvaluator(
@@ -119,6 +126,7 @@ def main() -> int:
             cfg.ppo.max_tokens_per_micro_batch,
             (cfg.monitors.ngram, cfg.monitors.distinct_n),
             cfg.ppo.share_prompt,
+            episodes,
         )
         if eval_prompts
         else None
@@ -128,6 +136,8 @@ def main() -> int:
     run.after_restore(partial(sampler.sync_weights, engines.actor))
     run.at_finish(sampler.close)
     run.at_finish(scorers.close)
+    if episodes:
+        run.at_finish(episodes.close)
     run.start(
         engines={"actor": engines.actor} | ({"critic": engines.critic} if engines.critic is not None else {}),
         lr_engine=engines.actor,

@@ -26,6 +26,7 @@ from engine.run.distributed import RankSums, all_reduce
 
 if TYPE_CHECKING:
     from engine.data.prompts import Prompt
+    from engine.environments.episodes import EpisodeRunner
     from engine.ppo.rewards import RewardScorer
     from engine.run_config import PPOConfig
 
@@ -95,8 +96,10 @@ class RolloutCollector:
         max_rounds: int | None,
         ahead: int = 0,
         last_draw: int | None = None,
+        episodes: EpisodeRunner | None = None,
     ):
-        self.prompts, self.per_draw, self.seed = prompts, prompts_per_iteration, seed
+        """``episodes``: multi-turn rollouts with an environment (else one response per sample)."""
+        self.prompts, self.per_draw, self.seed, self.episodes = prompts, prompts_per_iteration, seed, episodes
         self.sampler, self.sampling, self.scorer, self.tokenizer = sampler, sampling, scorer, tokenizer
         self.max_rounds = max_rounds  # None: no dynamic sampling
         self.ahead = ahead  # draws asked for beyond the one collected (an async rollout's max_staleness)...
@@ -110,9 +113,17 @@ class RolloutCollector:
         self.waiting: list[Group] = []
 
     @classmethod
-    def for_run(cls, cfg: PPOConfig, prompts: Sequence[Prompt], sampler: Sampler, scorer: RewardScorer, tokenizer):
+    def for_run(
+        cls,
+        cfg: PPOConfig,
+        prompts: Sequence[Prompt],
+        sampler: Sampler,
+        scorer: RewardScorer,
+        tokenizer,
+        episodes: EpisodeRunner | None = None,
+    ):
         """The collector of ``cfg``: its sampling settings, dynamic sampling's rounds, the async rollout's
-        draws asked for ahead (up to the run's last)."""
+        draws asked for ahead (up to the run's last), its episodes' runner."""
         rollout = cfg.rollout
         ahead = rollout.max_staleness if rollout.mode == "async" else 0
         return cls(
@@ -126,6 +137,7 @@ class RolloutCollector:
             rollout.max_generation_rounds if rollout.dynamic_sampling else None,
             ahead,
             cfg.train.iterations - 1 if ahead else None,
+            episodes,
         )
 
     def collect(self) -> Collected:
@@ -176,8 +188,7 @@ class RolloutCollector:
         last = draw + self.ahead if self.last_draw is None else min(draw + self.ahead, self.last_draw)
         for d in range(draw, last + 1):
             if d not in self.asked:
-                ids = [prompt_ids(self.tokenizer, self.prompts[i].messages) for i in self._indices(d)]
-                self.asked[d] = (self.sampler.submit(ids, self.sampling, d * self.world + self.rank), draw)
+                self.asked[d] = (self._submit(self._indices(d), d * self.world + self.rank), draw)
         generation, asked_at = self.asked.pop(draw)
         groups, generate_s = generation.result()
         self.sampler.sleep()  # GPU: its memory goes to the scoring, experience forwards and training
@@ -197,6 +208,15 @@ class RolloutCollector:
             )
             for k, i in enumerate(indices)
         ]
+
+    def _submit(self, indices: list[int], seed: int) -> PendingSamples:
+        """Ask for the samples of prompts ``indices`` (episodes: sampled now)."""
+        ids = [prompt_ids(self.tokenizer, self.prompts[i].messages) for i in indices]
+        if self.episodes is None:
+            return self.sampler.submit(ids, self.sampling, seed)
+        t0 = time.perf_counter()
+        groups = self.episodes.run(self.sampler, [self.prompts[i] for i in indices], ids, self.sampling, seed)
+        return Generated(groups, time.perf_counter() - t0)
 
     def _counts(self, drawn: list[Group], rounds: int, waiting: list[Group], filled: int) -> dict[str, float]:
         """The statistics summed over the ranks (see :meth:`collect`). Every iteration draws at least

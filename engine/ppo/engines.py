@@ -141,12 +141,19 @@ def build_scorers(
     tokenizers: Tokenizers,
     components: tuple[RewardComponents | None, RewardComponents | None],
 ) -> Scorers:
-    """The run's :class:`RewardScorer` (its reward model and rewards section) and the judge's (its
-    reward model and rewards components; None without a judge), on the run's engines."""
+    """The run's :class:`RewardScorer` (its reward model, rewards section and environment's rewards) and
+    the judge's (its reward model and rewards components; None without a judge), on the run's engines."""
     scorers = []
-    for section, rm, rm_engine, tokenizer, parts in (
-        (cfg.rewards, cfg.reward_model, engines.reward_model, tokenizers.reward_model, components[0]),
-        (cfg.judge.rewards, cfg.judge.reward_model, engines.judge, tokenizers.judge, components[1]),
+    for section, rm, rm_engine, tokenizer, parts, environment in (
+        (
+            cfg.rewards,
+            cfg.reward_model,
+            engines.reward_model,
+            tokenizers.reward_model,
+            components[0],
+            cfg.rollout.environment,
+        ),
+        (cfg.judge.rewards, cfg.judge.reward_model, engines.judge, tokenizers.judge, components[1], None),
     ):
         rm_scorer = (
             RewardModelScorer(
@@ -155,5 +162,5 @@ def build_scorers(
             if rm is not None and tokenizer is not None
             else None
         )
-        scorers.append(RewardScorer(rm_scorer, parts, section or RewardsSection()))
+        scorers.append(RewardScorer(rm_scorer, parts, section or RewardsSection(), environment))
     return Scorers(scorers[0], scorers[1] if cfg.judge.active() else None)

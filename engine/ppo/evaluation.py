@@ -30,6 +30,7 @@ from engine.run import faults
 from engine.run.distributed import RankSums
 
 if TYPE_CHECKING:
+    from engine.environments.episodes import EpisodeRunner
     from engine.ppo.engines import HybridEngine
     from engine.run.lifecycle import RunLifecycle
 
@@ -86,14 +87,17 @@ class HeldOutEvaluator:
         max_tokens: int,
         ngrams: tuple[int, int],
         share_prompts: bool = True,
+        episodes: EpisodeRunner | None = None,
     ):
-        """``ngrams``: the n of the repeated n-gram and of the distinct n-gram measures."""
+        """``ngrams``: the n of the repeated n-gram and of the distinct n-gram measures; ``episodes``:
+        multi-turn responses, as the rollout's."""
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         mine = prompts[rank::world]
         self.rank, self.messages, self.fields = rank, [p.messages for p in mine], [p.fields for p in mine]
         self.ids = [prompt_ids(tokenizer, m) for m in self.messages]
         self.tokenizer, self.scorer, self.judge, self.settings = tokenizer, scorers.run, scorers.judge, settings
         self.max_tokens, (self.ngram, self.distinct_n), self.share_prompts = max_tokens, ngrams, share_prompts
+        self.episodes, self.prompts = episodes, mine
         self.reference: Responses | None = None
         self.reference_distinct = 0.0  # distinct_over_ranks of the reference's responses
 
@@ -104,7 +108,12 @@ class HeldOutEvaluator:
     def respond(self, sampler: Sampler, temperature: float, seed: int, judged: bool = False) -> Responses:
         """This rank's responses, scored by the run (and by the judge when ``judged``)."""
         settings = SamplingSettings(1, temperature, self.settings.top_p, self.settings.max_new_tokens)
-        samples = [group[0] for group in sampler.generate(self.ids, settings, request_seed=seed + self.rank)]
+        groups = (
+            self.episodes.run(sampler, self.prompts, self.ids, settings, seed + self.rank)
+            if self.episodes
+            else sampler.generate(self.ids, settings, request_seed=seed + self.rank)
+        )
+        samples = [group[0] for group in groups]
         texts = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
         scored = self.score(self.scorer, samples, texts)
         judge = self.score(self.judge, samples, texts) if judged and self.judge is not None else None

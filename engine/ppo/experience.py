@@ -22,6 +22,7 @@ from engine.ppo.settings import ExperienceSettings
 if TYPE_CHECKING:
     from engine.ppo.collect import Rollout
     from engine.ppo.engines import HybridEngine
+    from engine.rollout.sampler import Sample
 
 
 @dataclass
@@ -66,6 +67,18 @@ class Experience:
         )
 
 
+def sampled_token_mask(samples: Sequence[Sample], T: int) -> torch.Tensor:
+    """(B, T) True at the response tokens the policy sampled: not at a multi-turn episode's
+    observations (engine/environments/episodes.py), nor at the right padding."""
+    rows = []
+    for s in samples:
+        row = torch.ones(len(s.response_ids), dtype=torch.bool)
+        for start, end in s.observations:
+            row[start:end] = False
+        rows.append(row)
+    return pad_right(rows, T)
+
+
 @torch.no_grad()
 def make_experience(
     rollout: Rollout,
@@ -98,7 +111,7 @@ def make_experience(
     sequences = [s.prompt_ids + s.response_ids for s in samples]
     prompt_lens = [len(s.prompt_ids) for s in samples]
     T = max(len(s.response_ids) for s in samples)
-    mask = pad_right([torch.ones(len(s.response_ids), dtype=torch.bool) for s in samples], T)  # (B, T)
+    mask = sampled_token_mask(samples, T)  # (B, T)
     sampler_logprobs = pad_right([torch.tensor(s.logprobs) for s in samples], T)  # (B, T)
     forward: dict[str, Any] = dict(
         max_tokens=settings.max_tokens, pad_token_id=pad_token_id, share_prompts=settings.share_prompts
@@ -161,6 +174,10 @@ def make_experience(
         ),
         **{k: v.mean().item() for k, v in rollout.parts.items()},
     }
+    episodes = [s.episode for s in samples if s.episode is not None]
+    if episodes:  # multi-turn: the policy's turns and the share of response tokens that are observations
+        stats["turns"] = sum(e.turns for e in episodes) / len(episodes)
+        stats["observation_share"] = 1 - mask.sum().item() / max(sum(len(s.response_ids) for s in samples), 1)
     if not old_logprobs_from_sampler:
         stats["sampler_logprob_gap"] = masked_mean((sampler_logprobs - old_logprobs).abs(), mask).item()
     if tis_cap:

@@ -1,6 +1,7 @@
 """What a PPO run checks and loads before any model does: the prompts that fit (with the columns
 the rewards read), the actor's and reward model's tokenizers once their directories are found
-usable, and the rewards section's components with their workers started and checked."""
+usable, the rewards section's components and the environment's runner with their workers started
+and checked."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.data.chat import Message, rerendering_difference, shares_template
 from engine.data.prompts import Prompt, load_prompts, prompts_that_fit
+from engine.environments.episodes import EpisodeRunner, TemplateCannotObserve
 from engine.rewards.code_tests import check_column
 from engine.rewards.components import RewardComponents, RewardsConfigError
 from engine.run.launch import RunRefused
@@ -32,7 +34,9 @@ def load_fitting_prompts(path: str, tokenizer, cfg: PPOConfig, rank: int, held_o
         cfg.ppo.max_tokens_per_micro_batch, cfg.rollout.vllm_max_model_len if cfg.rollout.sampler == "vllm" else 1 << 62
     )
     judge = cfg.judge.rewards if held_out else None
-    prompts = load_prompts(path, cfg.rewards.fields() | (judge.fields("judge.rewards") if judge else {}))
+    environment = cfg.rollout.environment
+    columns = dict.fromkeys(environment.fields, "rollout.environment.fields") if environment else {}
+    prompts = load_prompts(path, columns | cfg.rewards.fields() | (judge.fields("judge.rewards") if judge else {}))
     for code in (c for c in (cfg.rewards.code, judge and judge.code) if c):
         check_column(path, code.field, [p.fields[code.field] for p in prompts])
     prompts, dropped = prompts_that_fit(prompts, tokenizer, room - cfg.rollout.max_new_tokens)
@@ -116,3 +120,19 @@ def reward_components(cfg: PPOConfig) -> tuple[RewardComponents | None, RewardCo
         if rewards is not None:
             rewards.close()
         raise
+
+
+def episode_runner(cfg: PPOConfig, tokenizer: PreTrainedTokenizerBase) -> EpisodeRunner | None:
+    """The multi-turn runner of ``rollout.environment``, its workers started and the environment
+    imported, before any model loads; None without an environment."""
+    section = cfg.rollout.environment
+    if section is None:
+        return None
+    try:
+        runner = EpisodeRunner(section, tokenizer, cfg.rewards.import_timeout_s)
+    except TemplateCannotObserve as e:
+        raise RunRefused("config", f"{cfg._source}: 'rollout.environment' with '{cfg.actor.path}': {e}") from None
+    if error := runner.check():
+        runner.close()
+        raise RunRefused("config", f"{cfg._source}: 'rollout.environment.name' ({section.name}): {error}")
+    return runner

@@ -27,10 +27,11 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
 def token_rewards(score: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
     """(B, T) reward per token: -kl_coef * KL at every token, plus the sequence score on the last.
 
-    Ziegler et al. 2019, eq. 2; the score (B,) goes to each sequence's last real token.
+    Ziegler et al. 2019, eq. 2; the score (B,) goes to each sequence's last real token (``mask`` may
+    have holes: a multi-turn episode's observations).
     """
     rewards = -kl_coef * kl * mask
-    last = mask.long().sum(1) - 1  # (B,)
+    last = mask.shape[1] - 1 - mask.long().flip(1).argmax(1)  # (B,) the last True of each row
     rewards[torch.arange(len(score)), last.clamp(min=0)] += score
     return rewards
 
@@ -42,8 +43,11 @@ def gae(
 
     delta_t = r_t + gamma * V_{t+1} - V_t (V after the last real token is 0: the episode ends);
     A_t = delta_t + gamma * lam * A_{t+1}; returns = A + V. Returns ``(advantages, returns)``,
-    both (B, T) and zero where ``mask`` is False.
+    both (B, T) and zero where ``mask`` is False. A False token passes A and V through unchanged:
+    the right padding, and a multi-turn episode's observations, so the tokens the policy sampled
+    are the steps (an observation between two turns is no step of its own).
     """
+    real = mask.bool()
     mask = mask.to(values.dtype)
     values = values * mask
     advantages = torch.zeros_like(values)
@@ -51,10 +55,9 @@ def gae(
     next_value = torch.zeros_like(values[:, 0])
     for t in reversed(range(values.shape[1])):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        next_advantage = (delta + gamma * lam * next_advantage) * mask[:, t]
-        advantages[:, t] = next_advantage
-        # A padding token passes the bootstrap through unchanged (only trailing padding occurs).
-        next_value = torch.where(mask[:, t].bool(), values[:, t], next_value)
+        next_advantage = torch.where(real[:, t], delta + gamma * lam * next_advantage, next_advantage)
+        advantages[:, t] = next_advantage * mask[:, t]
+        next_value = torch.where(real[:, t], values[:, t], next_value)
     return advantages, (advantages + values) * mask
 
 

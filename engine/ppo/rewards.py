@@ -24,10 +24,12 @@ from engine.data.chat import (
     tokenize_pairs,
 )
 from engine.data.prompts import Prompt
+from engine.environments.episodes import episode_scores
 from engine.rewards.components import ComponentScores, RewardComponents, RewardsUnavailable, ScoringBatch
 from engine.rewards.reward_model import head_names, reward_model_heads
 from engine.rollout.sampler import Sample
 from engine.run.distributed import all_reduce
+from engine.run_config.environment import EnvironmentSection
 from engine.run_config.rewards import RewardModelSection, RewardsSection
 
 
@@ -106,9 +108,23 @@ class RewardScorer:
     """Scores responses on every rank: reward model (optional) + components + no-EOS penalty."""
 
     def __init__(
-        self, reward_model: RewardModelScorer | None, components: RewardComponents | None, rewards: RewardsSection
+        self,
+        reward_model: RewardModelScorer | None,
+        components: RewardComponents | None,
+        rewards: RewardsSection,
+        environment: EnvironmentSection | None = None,
     ):
-        self.reward_model, self.components, self.rewards = reward_model, components, rewards
+        """``environment``: a multi-turn run's, whose episodes' summed rewards are the component
+        ``environment`` (engine/environments/episodes.episode_scores)."""
+        self.reward_model, self.components, self.rewards, self.environment = (
+            reward_model,
+            components,
+            rewards,
+            environment,
+        )
+        self.weights = (components.weights if components else {}) | (
+            {"environment": environment.weight} if environment else {}
+        )
 
     def score(self, responses: SampledResponses) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(B,) scores and their parts for logging: ``reward/<name>`` per response, and per component
@@ -124,10 +140,10 @@ class RewardScorer:
             parts |= {f"reward/rm_{c}": heads[:, i] for i, c in enumerate(self.reward_model.heads)}
             total = total + self.reward_model.total(heads)
         lengths = [len(s.response_ids) for s in samples]
-        scores = self._components(ScoringBatch(responses.prompts, responses.texts, lengths, responses.fields))
+        scores = self._components(ScoringBatch(responses.prompts, responses.texts, lengths, responses.fields), samples)
         for name, s in scores.items():
             parts[f"reward/{name}"] = s.values
-            total = total + self.components.weights[name] * s.values  # type: ignore[union-attr]
+            total = total + self.weights[name] * s.values
         for name, s in scores.items():
             if name != "length":
                 parts[f"reward/{name}/errors"] = torch.full((len(samples),), s.errors / max(len(samples), 1))
@@ -136,18 +152,19 @@ class RewardScorer:
         total = total + self.rewards.no_eos_penalty * unfinished
         return total.clamp(-self.rewards.clip, self.rewards.clip), parts
 
-    def _components(self, batch: ScoringBatch) -> dict[str, ComponentScores]:
-        """The components' scores, once every rank knows none of them is unavailable."""
-        if self.components is None:
-            return {}
-        names = self.components.names
+    def _components(self, batch: ScoringBatch, samples: Sequence[Sample]) -> dict[str, ComponentScores]:
+        """The components' scores (the environment's too), once every rank knows none of them is unavailable."""
+        names = list(self.weights)
         server_down, scores = "", {}
-        try:
-            scores = self.components.score(batch)
-        except RewardsUnavailable as e:
-            server_down = str(e)
+        if self.components is not None:
+            try:
+                scores = self.components.score(batch)
+            except RewardsUnavailable as e:
+                server_down = str(e)
+        if self.environment is not None:
+            scores["environment"] = episode_scores(samples, self.environment.fallback)
         failures = [float(bool(server_down))] + [
-            float(scores[n].errors + scores[n].timeouts) if scores else 0.0 for n in names
+            float(scores[n].errors + scores[n].timeouts) if n in scores else 0.0 for n in names
         ]
         counts = all_reduce(torch.tensor([*failures, float(len(batch.responses))], dtype=torch.float64)).tolist()
         if counts[0]:

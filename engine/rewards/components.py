@@ -77,7 +77,9 @@ class RewardComponents:
         naming the key (under ``key``, the section's dotted path) if not."""
         if self.pool and (failed := self.pool.warm_up()):
             module, why = failed
-            owner = next(c for c in self.in_pool if module in c.modules)
+            owner = next((c for c in self.in_pool if module in c.modules), None)
+            if owner is None:  # the worker ended or hung before its first import
+                raise RewardsConfigError(f"'{key}': a reward worker did not start: {why}")
             where = f"functions.{owner.name}.function" if owner.with_prompt else owner.name
             raise RewardsConfigError(f"'{key}.{where}': a reward worker could not import {module}: {why}")
         for c in self.in_pool:

@@ -35,13 +35,14 @@ class Call:
     args: list[Any] = field(default_factory=list)
     kwargs: dict[str, Any] = field(default_factory=dict)
     timeout_s: float = 10.0
+    structured: bool = False  # the value is any JSON value (an environment's reply), not a finite number
 
 
 @dataclass(frozen=True)
 class Outcome:
     """A call's value, or why there is none (``error``: the traceback or what happened)."""
 
-    value: float | None
+    value: Any  # a float (a structured call's: any JSON value); None when there is none
     error: str | None = None
     timed_out: bool = False
 
@@ -116,8 +117,9 @@ class RewardPool:
                 return failed
         return None
 
-    def run(self, calls: Sequence[Call]) -> list[Outcome]:
-        """The outcome of every call, in order; each call fails alone (error, timeout, dead worker)."""
+    def run(self, calls: Sequence[Call], slots: Sequence[int] | None = None) -> list[Outcome]:
+        """The outcome of every call, in order; each call fails alone (error, timeout, dead worker).
+        ``slots``: the worker each call must run in (an episode's calls go to the worker holding it)."""
         outcomes: list[Outcome | None] = [None] * len(calls)
         pending = deque(range(len(calls)))
         busy: dict[int, tuple[int, float]] = {}  # worker slot -> (call index, deadline)
@@ -125,11 +127,15 @@ class RewardPool:
         try:
             while pending or busy:
                 for slot, worker in enumerate(self.workers):
-                    if slot not in busy and pending:
-                        i = pending.popleft()
+                    if slot in busy:
+                        continue
+                    i = next((i for i in pending if slots is None or slots[i] == slot), None)
+                    if i is not None:
+                        pending.remove(i)
                         call = calls[i]
+                        request = {"id": i, "function": call.function, "args": call.args, "kwargs": call.kwargs}
                         try:
-                            worker.send({"id": i, "function": call.function, "args": call.args, "kwargs": call.kwargs})
+                            worker.send(request | ({"structured": True} if call.structured else {}))
                         except (BrokenPipeError, OSError):  # died since its last call: replace it, retry the call
                             self._replace(slot)
                             pending.appendleft(i)

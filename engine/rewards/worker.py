@@ -4,7 +4,8 @@
 Requests and replies are JSON lines on stdin / the original stdout:
 
 * ``{"id": k, "function": "module:function", "args": [...], "kwargs": {...}}`` -> ``{"id": k, "value": x}``, or
-  ``{"id": k, "error": "<traceback>"}`` when the function raises or returns something that is not a finite number;
+  ``{"id": k, "error": "<traceback>"}`` when the function raises or returns something that is not a finite number
+  (with ``"structured": true``, any JSON value: an environment's reply);
 * ``{"id": k, "check": "module:function", "args": n, "kwargs": [...]}`` -> ``{"id": k, "value": 0}`` when the
   function imports and accepts ``n`` positional arguments and those keywords, else the error.
 
@@ -58,6 +59,8 @@ def answer(request: dict[str, Any]) -> dict[str, Any]:
             check(request["check"], request["args"], request["kwargs"])
             return {"id": request["id"], "value": 0.0}
         value = resolve(request["function"])(*request["args"], **request["kwargs"])
+        if request.get("structured"):  # an environment's reply (engine/environments/environment.py), checked there
+            return {"id": request["id"], "value": value}
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise TypeError(f"returned {value!r}, not a finite number")
         return {"id": request["id"], "value": float(value)}

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
@@ -21,12 +21,24 @@ if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
 
 
+class EpisodeOutcome(NamedTuple):
+    """How a multi-turn episode (engine/environments/episodes.py) ended."""
+
+    reward: float | None  # the environment's rewards summed (None: it gave none, or failed)
+    turns: int  # the policy's turns
+    error: str | None = None  # the environment's failure (then the episode stopped there)
+    timed_out: bool = False
+
+
 @dataclass(frozen=True)
 class Sample:
     prompt_ids: list[int]
     response_ids: list[int]
-    logprobs: list[float]  # sampler's log-prob of each response token
+    logprobs: list[float]  # sampler's log-prob of each response token (0.0 at observations)
     finished: bool  # ended with EOS rather than at max_new_tokens
+    # Multi-turn: [start, end) spans of response_ids that are the environment's observations (not sampled)
+    observations: list[tuple[int, int]] = field(default_factory=list)
+    episode: EpisodeOutcome | None = None
 
 
 @dataclass(frozen=True)

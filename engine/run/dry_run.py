@@ -241,6 +241,12 @@ def ppo_plan(
     else:
         sleeps = vllm_sleeps(cfg, device_gib)
         print_budget(states, cfg.actor, cfg.ppo.max_tokens_per_micro_batch, device_gib, sampler, sleeps)
+    if env := r.environment:
+        print(
+            f"episodes: up to {env.max_turns} turns with {env.name} ({env.workers} worker(s) per rank, "
+            f"{env.timeout_s:g} s per call); observations as '{env.observation_role}' messages of at most "
+            f"{env.max_observation_tokens} tokens, in no loss; rollout.max_new_tokens bounds the whole episode"
+        )
     print(f"score: {score_terms(cfg)}")
     print(f"objective: {objective_terms(cfg)}")
     if cfg.judge.active():
@@ -278,6 +284,8 @@ def score_terms(cfg) -> str:
     rewards = cfg.rewards
     terms = [f"{cfg.reward_model.weight:g} x reward model (normalised)"] if cfg.reward_model else []
     terms += [f"{weight:g} x {name}" for name, weight in rewards.weights().items()]
+    if cfg.rollout.environment:
+        terms.append(f"{cfg.rollout.environment.weight:g} x environment (the episode's rewards)")
     if rewards.no_eos_penalty:
         terms.append(f"{rewards.no_eos_penalty:g} if cut at max_new_tokens")
     where = f"; {rewards.workers} reward worker(s) per rank" if set(rewards.weights()) - {"length"} else ""

@@ -16,6 +16,7 @@ from engine.run_config.common import (
     PolicySection,
     resolve_deepspeed_dtype,
 )
+from engine.run_config.environment import EnvironmentSection
 from engine.run_config.monitors import JudgeSection, MonitorSection
 from engine.run_config.rewards import RewardModelSection, RewardsSection
 
@@ -56,6 +57,9 @@ class RolloutSection(Config):
         "with dynamic_sampling: generation rounds per iteration at most; a batch still short is filled with dropped "
         "groups (ppo/filled_groups)",
         ge=1,
+    )
+    environment: EnvironmentSection | None = option(
+        None, "multi-turn episodes: the policy's turns and an environment's observations (tool results)"
     )
     vllm_kv_cache_mb: int = option(128, "CPU: vLLM KV-cache size per rank", ge=1)
     vllm_max_model_len: int = option(1024, "vLLM context length (prompt + response)", ge=2)
@@ -110,6 +114,11 @@ class RolloutSection(Config):
         if self.mode == "async" and (self.sampler != "vllm" or self.dynamic_sampling):
             raise ConfigError(
                 "'mode' async runs one vLLM engine on ranks of its own: it needs sampler vllm and no dynamic_sampling"
+            )
+        if self.environment and (self.mode == "async" or self.tensor_parallel_size > 1):
+            raise ConfigError(
+                "'environment' episodes run with a colocated sampler of one rank (mode colocated, "
+                "tensor_parallel_size 1)"
             )
         if self.tensor_parallel_size > 1 and self.sampler != "vllm":
             raise ConfigError(
@@ -277,8 +286,10 @@ class PPOConfig(Config):
             )
         if self.judge.active() and not self.data.eval_prompts:
             raise ConfigError("judge scores held-out responses: set data.eval_prompts")
-        if self.reward_model is None and not self.rewards.weights():
-            raise ConfigError("nothing to score responses with: set reward_model.path or a rewards component")
+        if self.reward_model is None and not self.rewards.weights() and self.rollout.environment is None:
+            raise ConfigError(
+                "nothing to score responses with: set reward_model.path, a rewards component or rollout.environment"
+            )
         if self.has_critic() and self.critic.init_from == "reward_model" and self.reward_model is None:
             raise ConfigError("critic.init_from reward_model needs a reward_model: set critic.init_from actor")
         length = self.rewards.length

@@ -1,0 +1,1 @@
+"""Multi-turn episodes: environments, the episode runner and built-in tools."""

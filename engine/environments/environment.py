@@ -1,0 +1,75 @@
+"""Multi-turn environments: the interface a user's environment implements, and the functions the
+reward workers (engine/rewards/worker.py) call to run its episodes, never in the trainer's process.
+
+An environment is a class named ``"module:Class"`` (``rollout.environment.name``), constructed with
+no arguments, one instance per episode::
+
+    class Calculator(Environment):
+        def reset(self, prompt, **fields): ...            # the episode's prompt messages and its row's fields
+        def step(self, text): return observation, reward, done
+
+``step`` gets the policy's turn as text (special tokens skipped) and returns the observation to show
+the policy next (a ``str``, rendered as a tool message; None: none), a reward (a finite number or
+None; an episode's rewards are summed) and whether the episode is over. An episode's instance lives
+in one worker, which the trainer routes all its calls to.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from engine.rewards.worker import resolve
+
+Message = dict[str, str]
+
+
+class Environment:
+    """Base class of an environment: override :meth:`reset` and :meth:`step`."""
+
+    def reset(self, prompt: list[Message], **fields: Any) -> None:
+        """Start an episode on ``prompt`` (the prompt data's messages) with its row's ``fields``."""
+
+    def step(self, text: str) -> tuple[str | None, float | None, bool]:
+        """The policy's turn -> (observation, reward, done)."""
+        raise NotImplementedError
+
+
+_episodes: dict[str, Environment] = {}  # this worker's live episodes by key
+
+
+def reset(name: str, key: str, prompt: list[Message], fields: dict[str, Any]) -> float:
+    """Start episode ``key`` of environment ``name`` ("module:Class") in this worker."""
+    environment = resolve(name)()
+    if not isinstance(environment, Environment):
+        raise TypeError(f"{name} is not a subclass of engine.environments.environment.Environment")
+    environment.reset(prompt, **fields)
+    _episodes[key] = environment
+    return 0.0
+
+
+def step(key: str, text: str) -> list[Any]:
+    """Episode ``key``'s reply to the policy's turn ``text``: [observation, reward, done], checked."""
+    if key not in _episodes:
+        raise RuntimeError(f"episode {key} is not in this worker (its worker was restarted)")
+    result = _episodes[key].step(text)
+    if not isinstance(result, tuple | list) or len(result) != 3:
+        raise TypeError(f"step returned {result!r}, not (observation, reward, done)")
+    observation, reward, done = result
+    if observation is not None and not isinstance(observation, str):
+        raise TypeError(f"step's observation {observation!r} is not a str or None")
+    if reward is not None and (
+        isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward)
+    ):
+        raise TypeError(f"step's reward {reward!r} is not a finite number or None")
+    if not isinstance(done, bool):
+        raise TypeError(f"step's done {done!r} is not a bool")
+    if done:
+        del _episodes[key]
+    return [observation, None if reward is None else float(reward), done]
+
+
+def close(key: str) -> float:
+    """Forget episode ``key`` (it ended without the environment saying done)."""
+    _episodes.pop(key, None)
+    return 0.0

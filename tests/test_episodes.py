@@ -1,0 +1,193 @@
+"""Multi-turn episodes (engine/environments/episodes.py) with the real HF sampler on the tiny model and
+environments in worker processes: token in, token out (every turn's input a prefix of the final
+sequence, observations as the template's ids), a one-turn environment samples what a single-turn
+rollout does, failing and hanging environments are counted and the batch goes on; the tool
+environment's calls; GAE and token rewards across observations."""
+
+from __future__ import annotations
+
+import textwrap
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine.data.chat import prompt_ids
+from engine.data.prompts import Prompt
+from engine.environments.episodes import EpisodeRunner, episode_scores
+from engine.environments.tools import ToolEnvironment
+from engine.ppo.experience import sampled_token_mask
+from engine.ppo.losses import gae, token_rewards
+from engine.rollout.sampler import HFSampler, SamplingSettings
+from engine.run_config.environment import EnvironmentSection
+
+ENVIRONMENTS = """
+import time
+from engine.environments.environment import Environment
+
+class Echo(Environment):
+    def reset(self, prompt, answer):
+        self.turns, self.answer = 0, answer
+
+    def step(self, text):
+        self.turns += 1
+        if self.turns == 3:
+            return None, 0.5, True
+        return f"turn {self.turns} of {self.answer}", 0.5, False
+
+class OneStep(Environment):
+    def step(self, text):
+        return None, None, True
+
+class Fragile(Environment):
+    def reset(self, prompt, answer):
+        self.answer = answer
+
+    def step(self, text):
+        if self.answer == "raise":
+            raise ValueError("a broken environment")
+        if self.answer == "hang":
+            time.sleep(60)
+        return None, 1.0, True
+"""
+
+
+class RecordingSampler(HFSampler):
+    """HF generate on the actor, remembering each call's inputs."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.inputs: list[list[int]] = []
+
+    def generate(self, prompts, settings, request_seed):
+        self.inputs += [list(p) for p in prompts]
+        return super().generate(prompts, settings, request_seed)
+
+
+@pytest.fixture
+def policy(tiny_model_dir, tmp_path, monkeypatch):
+    """The tiny model with its EOS logit raised (turns of a few tokens), and the environments' module."""
+    (tmp_path / "my_env.py").write_text(textwrap.dedent(ENVIRONMENTS))
+    monkeypatch.chdir(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    bias = torch.zeros(model.config.vocab_size)
+    bias[tokenizer.eos_token_id] = 6.0
+    model.lm_head.register_forward_hook(lambda module, args, out: out + bias)
+    return tokenizer, RecordingSampler(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
+
+
+def prompts(answers: list[str]) -> list[Prompt]:
+    return [Prompt([{"role": "user", "content": f"Question {a}?"}], {"answer": a}) for a in answers]
+
+
+def test_episodes_continue_by_ids_and_a_one_turn_environment_samples_a_single_turn_rollout(policy):
+    tokenizer, sampler = policy
+    rows = prompts(["alder", "birch", "cedar"])
+    ids = [prompt_ids(tokenizer, p.messages) for p in rows]
+    settings = SamplingSettings(n=2, temperature=1.0, max_new_tokens=40)
+    section = EnvironmentSection(name="my_env:Echo", fields=["answer"], max_turns=3, max_observation_tokens=3)
+    runner = EpisodeRunner(section, tokenizer, import_timeout_s=60)
+    try:
+        assert runner.check() is None
+        groups = runner.run(sampler, rows, ids, settings, seed=7)
+    finally:
+        runner.close()
+    samples = [s for group in groups for s in group]
+    assert [len(g) for g in groups] == [2, 2, 2] and all(s.prompt_ids == ids[i // 2] for i, s in enumerate(samples))
+    full = [s.prompt_ids + s.response_ids for s in samples]
+    assert all(any(f[: len(x)] == x for f in full) for x in sampler.inputs)  # each turn's input: a prefix
+    assert len(sampler.inputs) == 3 + sum(s.episode.turns - 1 for s in samples)  # the prompts, then a turn each
+    assert max(s.episode.turns for s in samples) == 3, [s.episode for s in samples]
+    for i, s in enumerate(samples):
+        assert s.episode.reward == 0.5 * s.episode.turns and len(s.observations) == s.episode.turns - 1
+        assert len(s.response_ids) == len(s.logprobs) <= 40
+        for k, (start, end) in enumerate(s.observations):
+            # the template's ids for the observation, its content cut to 3 tokens, after a turn ending with EOS
+            content = tokenizer(f"turn {k + 1} of {rows[i // 2].fields['answer']}", add_special_tokens=False)
+            assert s.response_ids[start:end] == runner.template.ids(
+                tokenizer, tokenizer.decode(content["input_ids"]), 3
+            )
+            assert s.response_ids[start - 1] == tokenizer.eos_token_id and s.logprobs[start:end] == [0.0] * (
+                end - start
+            )
+            text = tokenizer.decode(s.response_ids[start - 1 : end])  # EOS, the tool message, the assistant header
+            assert text == tokenizer.apply_chat_template(
+                [
+                    {
+                        "role": "tool",
+                        "content": tokenizer.decode(
+                            s.response_ids[start:end][len(runner.template.before) : -len(runner.template.after)]
+                        ),
+                    }
+                ],
+                tokenize=False,
+                add_generation_prompt=True,
+            ).join(["<|im_end|>\n", ""])
+    mask = sampled_token_mask(samples, max(len(s.response_ids) for s in samples))
+    assert mask.sum().item() == sum(len(s.response_ids) - sum(e - b for b, e in s.observations) for s in samples)
+
+    one_step = EpisodeRunner(EnvironmentSection(name="my_env:OneStep"), tokenizer, import_timeout_s=60)
+    try:
+        episodes = one_step.run(sampler, rows, ids, settings, seed=7)
+    finally:
+        one_step.close()
+    single = sampler.generate(ids, settings, 7)
+    for got, want in zip((s for g in episodes for s in g), (s for g in single for s in g)):
+        assert (got.response_ids, got.logprobs, got.finished, got.observations) == (
+            want.response_ids,
+            want.logprobs,
+            want.finished,
+            [],
+        )
+        assert got.episode.turns == 1 and got.episode.reward is None
+
+
+def test_failing_and_hanging_environments_are_counted_and_the_batch_goes_on(policy):
+    tokenizer, sampler = policy
+    rows = prompts(["ok", "raise", "hang", "ok"])
+    ids = [prompt_ids(tokenizer, p.messages) for p in rows]
+    section = EnvironmentSection(name="my_env:Fragile", fields=["answer"], timeout_s=1.0, fallback=-1.0)
+    runner = EpisodeRunner(section, tokenizer, import_timeout_s=60)
+    start = time.monotonic()
+    try:
+        samples = [g[0] for g in runner.run(sampler, rows, ids, SamplingSettings(max_new_tokens=8), seed=3)]
+    finally:
+        runner.close()
+    assert time.monotonic() - start < 20
+    scores = episode_scores(samples, section.fallback)
+    assert scores.values.tolist() == [1.0, -1.0, -1.0, 1.0] and (scores.errors, scores.timeouts) == (1, 1)
+    assert "a broken environment" in scores.first_error
+
+
+def test_tool_calls_are_run_and_malformed_ones_answered():
+    tools = ToolEnvironment()
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
+    assert tools.step("so " + call % "12 * (3 + 4)" + " and " + call % "7 / 2") == ("84\n3.5", None, False)
+    assert tools.step("The answer is 84.") == (None, None, True)
+    observation, _, done = tools.step(
+        "<tool_call>{oops</tool_call>" + '<tool_call>{"name": "search"}</tool_call>' + call % "__import__('os')"
+    )
+    assert not done and observation.splitlines() == [
+        'error: not a tool call {"name": ..., "arguments": {...}}: {oops',
+        "error: no tool 'search'; the tools: calculator",
+        "error: calculator: '__import__('os')' is not arithmetic on numbers",
+    ]
+    assert tools.step(call % "2 ** 1000")[0] == "error: calculator: exponent 1000 is above 64"
+
+
+def test_gae_and_token_rewards_step_over_observations():
+    """A response with an observation in the middle: its advantages equal those of the sampled tokens
+    alone (the value bootstrapped across the observation as one step), the score on the last sampled token."""
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 0]], dtype=torch.bool)  # an observation at 2..3, padding at 7
+    rewards, values = torch.randn(1, 8) * mask, torch.randn(1, 8)
+    advantages, returns = gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    sampled = mask[0]
+    alone, alone_returns = gae(rewards[:, sampled], values[:, sampled], torch.ones(1, 5, dtype=torch.bool), 0.9, 0.8)
+    torch.testing.assert_close(advantages[:, sampled], alone)
+    torch.testing.assert_close(returns[:, sampled], alone_returns)
+    assert advantages[0, ~sampled].abs().sum() == 0
+    placed = token_rewards(torch.tensor([2.0]), torch.zeros(1, 8), mask, kl_coef=0.1)
+    assert placed.tolist() == [[0, 0, 0, 0, 0, 0, 2.0, 0]]
