@@ -204,6 +204,27 @@ def test_scorer_combines_rm_components_and_penalties(process_group, rm_run, user
         scorer.close()
 
 
+def test_every_rank_stops_with_the_reason_of_the_rank_whose_server_call_failed(process_group, monkeypatch):
+    """Fake ranks: this rank scored its batch, another's reward server call failed; this rank raises
+    the other's reason (what rank 0 prints), not a reason of its own."""
+    rewards = RewardsSection.model_validate({"length": {"target_tokens": 8}})
+    scorer = RewardScorer(None, RewardComponents(rewards, max_new_tokens=16), rewards)
+    batch = SampledResponses([[{"role": "user", "content": "Hi."}]], [Sample([], [0] * 4, [], True)], ["Hello."], [{}])
+    theirs = "the reward server at http://10.0.0.2:8000 answered without 1 scores of component(s) ['math']"
+
+    def their_counts_too(t, **kwargs):  # (server down, failures per component, responses)
+        t += torch.tensor([1.0, 0.0, 1.0], dtype=t.dtype)
+
+    def their_reason_too(everyone, mine, **kwargs):  # rank 0's (this one's: none), then theirs
+        everyone[:] = [mine, theirs]
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", their_counts_too)
+    monkeypatch.setattr(torch.distributed, "all_gather_object", their_reason_too)
+    with pytest.raises(RewardsUnavailable) as error:
+        scorer.score(batch)
+    assert str(error.value) == theirs
+
+
 def test_a_function_that_cannot_be_called_is_refused_by_its_key(user_functions):
     for function, error in (
         (f"{user_functions}:picky", "unexpected keyword argument 'answer'"),

@@ -1,6 +1,6 @@
-"""engine/rewards/server.py as a real process (a tiny reward model and the verifiers) against an
-in-process forward of the same model; engine/rewards/remote.py's retries and protocol checks
-against small servers in this process."""
+"""engine/rewards/server.py as a real process (a tiny reward model and the verifiers, behind a
+token and limits) against an in-process forward of the same model; engine/rewards/remote.py's
+retries and protocol checks, and the trainer's token, against small servers in this process."""
 
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ from fastapi import FastAPI, Response
 from transformers import AutoModelForTokenClassification, AutoTokenizer
 
 from engine.data.chat import tokenize_pairs
-from engine.rewards.components import RewardComponents, RewardsUnavailable, ScoringBatch
-from engine.rewards.remote import RewardServerClient, RewardServerError, ScoreItem, check_components
-from engine.rewards.server import build_app, code_section, main, parse_args
+from engine.rewards.components import RewardComponents, RewardsConfigError, RewardsUnavailable, ScoringBatch
+from engine.rewards.remote import RewardServerClient, RewardServerError, ScoreItem
+from engine.rewards.server import build_app, code_section, parse_args
+from engine.rewards.server_access import TOKEN_ENV, Limits
 from engine.run_config.rewards import CodeReward, RewardsSection
 
 REPO = Path(__file__).resolve().parent.parent
@@ -47,6 +48,7 @@ ITEMS = [  # two responses share each prompt: the server packs a prompt once for
         fields={"tests": ["assert f(1) == 2"]},
     ),
 ]
+TOKEN = "s3cret-Token_1"
 
 
 @pytest.fixture(scope="module")
@@ -107,15 +109,52 @@ def in_process_rewards(model_dir: Path, items: list[ScoreItem]) -> torch.Tensor:
         return torch.stack([model(input_ids=torch.tensor([ids])).logits[0, -1] for ids in full_ids])
 
 
+def raw_request(url: str, head: str, body: bytes = b"") -> str:
+    """What the server at ``url`` answers first to ``POST /v1/score`` with the token, ``head`` and
+    ``body``, which may be the start of a longer body: this never sends the rest."""
+    host, port = url.removeprefix("http://").split(":")
+    request = f"POST /v1/score HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {TOKEN}\r\n{head}\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(request.encode() + body)
+        answer = b""
+        while not answer.endswith(b"}") and (chunk := s.recv(65536)):
+            answer += chunk
+    return answer.decode()
+
+
 def test_server_scores_like_the_in_process_reward_model(tmp_path, reward_model_dir):
     args = ["--reward-model", str(reward_model_dir), "--math-field", "answer", "--workers", "1", "--code-wall-s", "3"]
+    (tmp_path / "token").write_text(f"{TOKEN}\n")
+    args += ["--token-file", str(tmp_path / "token"), "--max-items", "5", "--max-chars", "100", "--max-body-mb", "0.01"]
     with server_process(tmp_path, *args, "--format-pattern", r"\\boxed\{", "--code-field", "tests") as (url, _):
         assert url.startswith("http://127.0.0.1:")
-        assert httpx.get(f"{url}/v1/health").json() == {"status": "ok", "protocol": 1}
-        with RewardServerClient(url, timeout_s=60, retries=0) as client:
+        assert httpx.get(f"{url}/v1/health").json() == {"status": "ok", "protocol": 1}  # no token needed
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        for headers in ({}, {"Authorization": f"Bearer {TOKEN[:-1]}2"}, {"Authorization": TOKEN}):
+            refused = httpx.get(f"{url}/v1/components", headers=headers)
+            assert refused.status_code == 401 and refused.json()["detail"].startswith("no valid token"), headers
+        with RewardServerClient(url, timeout_s=60, retries=0, token=TOKEN) as client:
             assert client.components() == ["helpful", "harmless", "math", "format", "code"]
             scores = client.score(ITEMS)
-        bad = httpx.post(f"{url}/v1/score", json={"items": [{"prompt": "hello"}, {"prompt": [{"text": "hi"}]}]})
+            # over the limits: refused at once, naming the limit
+            for items, said in (
+                (ITEMS + ITEMS[:1], "HTTP 422: 6 items, more than the server's --max-items 5"),
+                ([ITEMS[0].model_copy(update={"response": "x" * 101})], "item 0's response has 101 characters"),
+                ([ScoreItem(prompt=[{"role": "user", "content": "y" * 101}], response="")], "item 0's prompt has 101"),
+                # 2 MB sent whole by the client, which still reads the 413 (its Content-Length)
+                ([ITEMS[0].model_copy(update={"fields": {"answer": "4" * 2**21}})], "HTTP 413: a body of 2097"),
+            ):
+                with pytest.raises(RewardServerError, match=said):
+                    client.score(items)
+        # refused before the body is read: from its declared length, or once the bytes read pass the limit
+        declared = raw_request(url, "Content-Length: 1000000000")
+        assert declared.startswith("HTTP/1.1 413") and "a body of 1000000000 bytes, more than" in declared
+        streamed = raw_request(url, "Transfer-Encoding: chunked", b"4e20\r\n" + b"x" * 20000)
+        assert streamed.startswith("HTTP/1.1 413")
+        assert "a body of more than the server's --max-body-mb 0.01 (10485 bytes)" in streamed
+        bad = httpx.post(
+            f"{url}/v1/score", json={"items": [{"prompt": "hello"}, {"prompt": [{"text": "hi"}]}]}, headers=auth
+        )
         assert bad.status_code == 422
         assert [(e["loc"], e["msg"]) for e in bad.json()["detail"]] == [
             (["body", "items", 0, "prompt"], "Input should be a valid list"),
@@ -133,16 +172,34 @@ def test_server_scores_like_the_in_process_reward_model(tmp_path, reward_model_d
     assert scores["code"] == [None, None, None, 0.5, 0.0]
 
 
-def test_server_refuses_a_command_with_nothing_to_serve_or_a_bad_pattern(capsys):
+def test_server_refuses_a_command_with_nothing_to_serve_a_bad_pattern_or_no_token_beyond_loopback(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    (tmp_path / "empty").write_text("\n")
     for argv, said in (
         (["--port", "0"], "nothing to serve"),
         (["--format-pattern", "(unclosed"], "is not a regular expression"),
         (["--code-field", "tests", "--code-memory-mb", "8"], "--code-memory-mb 8: Input should be greater"),
+        (["--math-field", "answer", "--host", "0.0.0.0"], "--host 0.0.0.0 is not a loopback address"),
+        (["--math-field", "answer", "--token-file", str(tmp_path / "none")], f"--token-file {tmp_path}/none: cannot"),
+        (["--math-field", "answer", "--token-file", str(tmp_path / "empty")], "no usable token: it is empty"),
+        (["--math-field", "answer", "--max-items", "0"], "--max-items 0: must be at least 1"),
+        (["--math-field", "answer", "--max-body-mb", "nan"], "--max-body-mb nan: must be a size more than 0"),
     ):
         with pytest.raises(SystemExit) as exit_info:
-            main(argv)
+            parse_args(argv)  # main's first step (a check that let a command through starts no server here)
         assert exit_info.value.code == 2
         assert said in capsys.readouterr().err
+    assert parse_args(["--math-field", "answer", "--host", "::1"]).token is None  # loopback: a token is optional
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    assert parse_args(["--math-field", "answer", "--host", "0.0.0.0"]).token == TOKEN
+    monkeypatch.setenv(TOKEN_ENV, "two words")
+    with pytest.raises(SystemExit):
+        parse_args(["--math-field", "answer"])
+    assert f"the environment variable {TOKEN_ENV} holds no usable token: it may hold visible ASCII" in (
+        capsys.readouterr().err
+    )
 
 
 def test_the_code_limits_default_to_the_trainers():
@@ -258,12 +315,12 @@ class ConstantScorer:
 
 def test_check_components_names_the_missing_and_the_served():
     app = build_app([ConstantScorer(["helpful", "harmless"], 0.25), ConstantScorer(["math"], math.nan)])
-    with in_thread(app) as url:
-        check_components(url + "/", ["math", "helpful"], timeout_s=5)
+    with in_thread(app) as url, RewardServerClient(url + "/", timeout_s=5) as client:
+        client.check_components(["math", "helpful"])
         with pytest.raises(RewardServerError) as error:
-            check_components(url, ["helpful", "format", "length"], timeout_s=5)
-        with RewardServerClient(url) as client:  # the server's NaN goes out as null
-            assert client.score(ITEMS[:2]) == {"helpful": [0.25] * 2, "harmless": [0.25] * 2, "math": [None] * 2}
+            client.check_components(["helpful", "format", "length"])
+        # the server's NaN goes out as null
+        assert client.score(ITEMS[:2]) == {"helpful": [0.25] * 2, "harmless": [0.25] * 2, "math": [None] * 2}
     assert str(error.value) == (
         f"reward server {url} has no component ['format', 'length']; it serves ['helpful', 'harmless', 'math']"
     )
@@ -288,7 +345,50 @@ def test_a_reply_without_a_requested_component_is_a_clean_stop_naming_it():
         try:
             components.check()  # the server lists both
             batch = ScoringBatch([i.prompt for i in ITEMS[:2]], [i.response for i in ITEMS[:2]], [4, 4], [{}, {}])
-            with pytest.raises(RewardsUnavailable, match=r"without 2 scores of component\(s\) \['harmless'\]"):
+            said = rf"the reward server at {url} answered without 2 scores of component\(s\) \['harmless'\]"
+            with pytest.raises(RewardsUnavailable, match=said):
                 components.score(batch)
         finally:
             components.close()
+
+
+def test_the_trainer_checks_and_sends_the_token_named_by_rewards_remote_token_env(monkeypatch):
+    """Refused before any model loads, naming the key: the variable unset or empty, a token the
+    server does not take, none where it wants one. Then a batch over the server's limits is a
+    clean stop naming the limit."""
+    app = build_app([ConstantScorer(["helpful"], 0.25)], token=TOKEN, limits=Limits(max_items=2))
+    batch = ScoringBatch([i.prompt for i in ITEMS[:2]], [i.response for i in ITEMS[:2]], [4, 4], [{}, {}])
+    key = "'rewards.remote.token_env': "
+    with in_thread(app) as url:
+
+        def components(token_env: str | None) -> RewardComponents:
+            remote = {"url": url, "components": {"helpful": 1.0}, "token_env": token_env, "retries": 0}
+            return RewardComponents(RewardsSection.model_validate({"remote": remote}), max_new_tokens=16)
+
+        no_token = "the environment variable RM_TOKEN holds no token for the reward server: "
+        for value, token_env, said in (
+            (None, "RM_TOKEN", no_token + "it is not set"),
+            ("", "RM_TOKEN", no_token + "it is empty"),
+            ("wrong", "RM_TOKEN", rf"reward server {url}/v1/components refused the request: HTTP 401: no valid"),
+            (TOKEN, None, r"reward server .* HTTP 401: no valid token: .*\(the server wants a token\)"),
+        ):
+            if value is None:
+                monkeypatch.delenv("RM_TOKEN", raising=False)
+            else:
+                monkeypatch.setenv("RM_TOKEN", value)
+            refused = components(token_env)
+            with pytest.raises(RewardsConfigError, match=key + said):
+                refused.check()
+            refused.close()
+        monkeypatch.setenv("RM_TOKEN", TOKEN)
+        accepted = components("RM_TOKEN")
+        try:
+            accepted.check()
+            assert accepted.score(batch)["remote_helpful"].values.tolist() == [0.25, 0.25]
+            four = ScoringBatch(batch.prompts * 2, batch.responses * 2, [4] * 4, [{}] * 4)
+            with pytest.raises(RewardsUnavailable, match="HTTP 422: 4 items, more than the server's --max-items 2"):
+                accepted.score(four)
+        finally:
+            accepted.close()
+    with pytest.raises(ValueError, match="token_env '' names no environment variable"):
+        RewardsSection.model_validate({"remote": {"url": "http://127.0.0.1:1", "components": {}, "token_env": ""}})

@@ -28,7 +28,7 @@ from engine.environments.episodes import episode_scores
 from engine.rewards.components import ComponentScores, RewardComponents, RewardsUnavailable, ScoringBatch
 from engine.rewards.reward_model import head_names, reward_model_heads
 from engine.rollout.sampler import Sample
-from engine.run.distributed import all_reduce
+from engine.run.distributed import all_reduce, first_reason
 from engine.run_config.environment import EnvironmentSection
 from engine.run_config.rewards import RewardModelSection, RewardsSection
 
@@ -167,8 +167,8 @@ class RewardScorer:
             float(scores[n].errors + scores[n].timeouts) if n in scores else 0.0 for n in names
         ]
         counts = all_reduce(torch.tensor([*failures, float(len(batch.responses))], dtype=torch.float64)).tolist()
-        if counts[0]:
-            raise RewardsUnavailable(server_down or "the reward server is unavailable on another rank")
+        if counts[0]:  # every rank stops with the same reason, whichever rank's server call failed
+            raise RewardsUnavailable(first_reason(server_down))
         for name, failed in zip(names, counts[1:-1]):
             share = failed / max(counts[-1], 1.0)
             if share > self.rewards.max_failure_share:

@@ -9,6 +9,7 @@ the reward server is called once per batch (``engine/rewards/remote.py``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +18,7 @@ import torch
 
 from engine.rewards.pool import RewardPool
 from engine.rewards.pool_components import PoolComponent, code_verifier, format_verifier, math_verifier
-from engine.rewards.remote import RewardServerClient, RewardServerError, ScoreItem, check_components
+from engine.rewards.remote import RewardServerClient, RewardServerError, ScoreItem, bearer_token_problem
 from engine.rewards.verifiers import length_penalty
 from engine.run_config.rewards import RewardsSection
 
@@ -25,7 +26,8 @@ Messages = list[dict[str, str]]
 
 
 class RewardsUnavailable(Exception):
-    """The rewards cannot be computed: a broken reward function, or a reward server that stays down."""
+    """The rewards cannot be computed: a broken reward function, or a reward server that stays down or
+    refuses a batch (its token, its limits)."""
 
 
 class RewardsConfigError(ValueError):
@@ -61,8 +63,11 @@ class RewardComponents:
         self.in_pool = _pool_components(rewards)
         self.weights = rewards.weights()
         remote = rewards.remote
+        self.token = os.environ.get(remote.token_env) if remote and remote.token_env else None  # checked in check()
         self.client = (
-            RewardServerClient(remote.url, remote.timeout_s, remote.retries, remote.backoff_s) if remote else None
+            RewardServerClient(remote.url, remote.timeout_s, remote.retries, remote.backoff_s, self.token)
+            if remote
+            else None
         )
         modules = [m for c in self.in_pool for m in c.modules]
         self.pool = RewardPool(rewards.workers, modules, rewards.import_timeout_s) if self.in_pool else None
@@ -73,8 +78,9 @@ class RewardComponents:
 
     def check(self, key: str = "rewards") -> None:
         """Before any model loads: the workers imported every component's modules, each function takes
-        its arguments; the server is up and serves the configured components. :class:`RewardsConfigError`
-        naming the key (under ``key``, the section's dotted path) if not."""
+        its arguments; the server's token is set, the server is up, takes the token and serves the
+        configured components. :class:`RewardsConfigError` naming the key (under ``key``, the
+        section's dotted path) if not."""
         if self.pool and (failed := self.pool.warm_up()):
             module, why = failed
             owner = next((c for c in self.in_pool if module in c.modules), None)
@@ -86,11 +92,20 @@ class RewardComponents:
             if c.with_prompt and self.pool and (error := self.pool.check(c.function, 2, list(c.fields))):
                 raise RewardsConfigError(f"'{key}.functions.{c.name}.function': {error}")
         remote = self.section.remote
-        if remote:
+        if remote and self.client:
+            problem = "it is not set" if self.token is None else bearer_token_problem(self.token)
+            if remote.token_env and problem:
+                raise RewardsConfigError(
+                    f"'{key}.remote.token_env': the environment variable {remote.token_env} holds no token for "
+                    f"the reward server: {problem}"
+                )
             try:
-                check_components(remote.url, list(remote.components), remote.timeout_s)
+                self.client.check_components(list(remote.components))
             except RewardServerError as e:
-                raise RewardsConfigError(f"'{key}.remote': {e}") from None
+                if e.status != 401:
+                    raise RewardsConfigError(f"'{key}.remote': {e}") from None
+                hint = f"is {remote.token_env} the server's token?" if remote.token_env else "the server wants a token"
+                raise RewardsConfigError(f"'{key}.remote.token_env': {e} ({hint})") from None
 
     def score(self, batch: ScoringBatch) -> dict[str, ComponentScores]:
         """Every component's values for ``batch``; :class:`RewardsUnavailable` when the server stays down."""

@@ -9,7 +9,9 @@ such as ``http://host/rewards`` is kept); the endpoints live under it:
 * ``GET <base>/v1/components`` -> :class:`ComponentsResponse`: the components the server scores;
 * ``GET <base>/v1/health`` -> :class:`HealthResponse`.
 
-A malformed request gets a 422 naming what is wrong. The reference server is
+A server with a token answers 401 to a request without ``Authorization: Bearer <token>`` (health
+aside). A malformed request gets a 422 naming what is wrong, one over the server's limits a 413
+(body) or a 422 (items, characters) naming the limit. The reference server is
 ``engine/rewards/server.py``.
 """
 
@@ -66,8 +68,22 @@ class HealthResponse(BaseModel):
 Body = TypeVar("Body", bound=BaseModel)
 
 
+def bearer_token_problem(token: str) -> str | None:
+    """Why ``token`` cannot be sent as ``Authorization: Bearer <token>`` (empty, or not visible ASCII), or None."""
+    if not token:
+        return "it is empty"
+    if not all("!" <= c <= "~" for c in token):
+        return "it may hold visible ASCII characters only (no spaces)"
+    return None
+
+
 class RewardServerError(RuntimeError):
-    """The reward server could not be reached, refused a request, or answered outside the protocol."""
+    """The reward server could not be reached, refused a request (``status``: its HTTP status), or
+    answered outside the protocol."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 class RewardServerClient:
@@ -75,18 +91,31 @@ class RewardServerClient:
 
     Connection errors, timeouts (``timeout_s`` per request) and 5xx answers are retried
     ``retries`` times (``1 + retries`` attempts), waiting ``backoff_s``, then twice as long
-    each time; a 4xx answer or one outside the protocol is an error at once.
+    each time; a 4xx answer (a wrong token, a request over the server's limits) or one outside
+    the protocol is an error at once. ``token``: sent with every request.
     """
 
-    def __init__(self, url: str, timeout_s: float = 30, retries: int = 3, backoff_s: float = 1.0):
+    def __init__(
+        self, url: str, timeout_s: float = 30, retries: int = 3, backoff_s: float = 1.0, token: str | None = None
+    ):
         self.url = url.rstrip("/")
         self.retries, self.backoff_s = retries, backoff_s
         self.http = httpx.Client(timeout=timeout_s)
+        # encoded per request: a token that is not ASCII fails the caller's check, not this constructor
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
 
     def components(self) -> list[str]:
         """The components the server scores."""
         body = self._request("GET", COMPONENTS_PATH)
         return self._parse(ComponentsResponse, body, COMPONENTS_PATH, '{"components": [name, ...]}').components
+
+    def check_components(self, wanted: list[str]) -> None:
+        """Before a run: the server answers and scores every component in ``wanted``; else
+        RewardServerError naming the missing ones and those it has."""
+        served = self.components()
+        missing = [name for name in wanted if name not in served]
+        if missing:
+            raise RewardServerError(f"reward server {self.url} has no component {missing}; it serves {served}")
 
     def score(self, items: list[ScoreItem]) -> dict[str, list[float | None]]:
         """Each component's score of every item, in order; None where the server could not score
@@ -113,7 +142,7 @@ class RewardServerClient:
             if attempt:
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
             try:
-                response = self.http.request(method, url, json=payload)
+                response = self.http.request(method, url, json=payload, headers=self.headers)
             except httpx.TransportError as e:  # connection refused or reset, timeouts
                 last_failure = f"{type(e).__name__}: {e}"
                 continue
@@ -122,7 +151,8 @@ class RewardServerClient:
                 continue
             if response.status_code >= 400:
                 raise RewardServerError(
-                    f"reward server {url} refused the request: HTTP {response.status_code}: {_excerpt(response.text)}"
+                    f"reward server {url} refused the request: HTTP {response.status_code}: {_reason(response)}",
+                    response.status_code,
                 )
             try:
                 return response.json()
@@ -153,17 +183,14 @@ class RewardServerClient:
         self.close()
 
 
-def check_components(
-    url: str, wanted: list[str], timeout_s: float = 30, retries: int = 3, backoff_s: float = 1.0
-) -> None:
-    """Before a run: the server at ``url`` answers and scores every component in ``wanted``;
-    else RewardServerError naming the missing ones and those it has."""
-    with RewardServerClient(url, timeout_s, retries, backoff_s) as client:
-        served = client.components()
-    missing = [name for name in wanted if name not in served]
-    if missing:
-        raise RewardServerError(f"reward server {client.url} has no component {missing}; it serves {served}")
-
-
 def _excerpt(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _reason(response: httpx.Response) -> str:
+    """A refusal's ``detail`` when it is a sentence (the reference server's token and limits), else its text."""
+    try:
+        detail = response.json().get("detail")
+    except (ValueError, AttributeError):
+        detail = None
+    return detail if isinstance(detail, str) else _excerpt(response.text)

@@ -16,6 +16,8 @@ The verifiers are the trainer's (engine/rewards/pool_components.py), run in ``--
 worker processes (engine/rewards/pool.py), each call within ``--verifier-timeout`` seconds (code:
 ``--code-wall-s`` + 5): math-verify's timeouts need a process's main thread, and a runaway regex
 or parse only costs its item. An item that cannot be scored gets null.
+
+Requests need the server's token and stay within its limits (engine/rewards/server_access.py).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from engine.rewards.remote import (
     ScoreResponse,
 )
 from engine.rewards.reward_model import head_names, reward_model_heads
+from engine.rewards.server_access import TOKEN_ENV, Admission, Limits, check_items, is_loopback, read_token
 from engine.run.launch import RunRefused
 from engine.run.preflight import check_reward_model, check_weights, load_tokenizer
 from engine.run_config.rewards import CodeReward, FormatReward, MathReward
@@ -151,12 +154,15 @@ def code_section(args: argparse.Namespace) -> CodeReward:
     return CodeReward(field=args.code_field, **{limit: getattr(args, f"code_{limit}") for limit in CODE_LIMITS})
 
 
-def build_app(scorers: Sequence[Scorer]) -> FastAPI:
-    """The protocol's endpoints over ``scorers``, whose component names must not clash."""
+def build_app(scorers: Sequence[Scorer], token: str | None = None, limits: Limits | None = None) -> FastAPI:
+    """The protocol's endpoints over ``scorers``, whose component names must not clash, for requests
+    with ``token`` (None: any) within ``limits`` (None: the defaults)."""
+    limits = limits or Limits()
     components = [name for scorer in scorers for name in scorer.names]
     if len(set(components)) != len(components):
         raise ValueError(f"component names clash: {components}")
     app = FastAPI(title="reward server", version=str(PROTOCOL_VERSION))
+    app.add_middleware(Admission, token=token, limits=limits)
 
     @app.get(HEALTH_PATH)
     def health() -> HealthResponse:
@@ -168,6 +174,7 @@ def build_app(scorers: Sequence[Scorer]) -> FastAPI:
 
     @app.post(SCORE_PATH)
     def score(request: ScoreRequest) -> ScoreResponse:  # a plain def: FastAPI runs it on a worker thread
+        check_items(request.items, limits)
         scores: Scores = {}
         for scorer in scorers:
             scores.update(scorer.score(request.items))
@@ -195,7 +202,10 @@ class AnnouncingServer(uvicorn.Server):
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m engine.rewards.server", description=__doc__.split("\n")[0])
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help="an address other than loopback needs a token")
+    parser.add_argument(
+        "--token-file", default="", help=f"file holding the token requests must send (default: ${TOKEN_ENV} if set)"
+    )
     parser.add_argument("--port", type=int, default=8000, help="0: any free port (the ready line names it)")
     parser.add_argument("--reward-model", default="", help="train_rm.py's <run>/model: one component per head")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -207,6 +217,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--code-field", default="", help="the row field with the tests: component code (sandboxed)")
     parser.add_argument("--workers", type=int, default=2, help="reward worker processes for the verifiers")
     parser.add_argument("--verifier-timeout", type=float, default=10.0, help="seconds per verifier call (not code's)")
+    parser.add_argument("--max-items", type=int, default=Limits.max_items, help="items per request")
+    parser.add_argument("--max-chars", type=int, default=Limits.max_chars, help="characters per response and prompt")
+    parser.add_argument("--max-body-mb", type=float, default=Limits.max_body_mb, help="size of a request's body")
     for limit in CODE_LIMITS:
         field = CodeReward.model_fields[limit]
         parser.add_argument(
@@ -223,8 +236,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             re.compile(getattr(args, flag))
         except re.error as e:
             parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)!r} is not a regular expression: {e}")
-    if args.workers < 1 or args.max_tokens < 1:
-        parser.error(f"--workers ({args.workers}) and --max-tokens ({args.max_tokens}) must be at least 1")
+    for flag in ("workers", "max_tokens", "max_items", "max_chars"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+    if not 0 < args.max_body_mb < math.inf:
+        parser.error(f"--max-body-mb {args.max_body_mb}: must be a size more than 0")
+    try:
+        args.token = read_token(args.token_file)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.token is None and not is_loopback(args.host):
+        parser.error(
+            f"--host {args.host} is not a loopback address: anyone who reaches it could use it (and run code in "
+            f"its sandbox); give the token requests must send with --token-file or {TOKEN_ENV}"
+        )
     try:
         code_section(args)
     except ValidationError as e:
@@ -249,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if failed := pool.warm_up():  # math-verify's sympy imported before the first request
                     raise RuntimeError(f"a reward worker could not import {failed[0]}: {failed[1]}")
                 scorers.append(VerifierScorer(pool, served))
-            app = build_app(scorers)
+            app = build_app(scorers, args.token, Limits(args.max_items, args.max_chars, args.max_body_mb))
         except (RunRefused, OSError, ValueError, RuntimeError) as e:
             print(f"reward server: {e}", file=sys.stderr)
             return 2

@@ -155,6 +155,13 @@ def agree_max(value: int) -> int:
     return int(all_reduce(torch.tensor([value], dtype=torch.long), op=torch.distributed.ReduceOp.MAX).item())
 
 
+def first_reason(reason: str) -> str:
+    """The first rank's non-empty ``reason``, on every rank: a collective, once all ranks know that one has one."""
+    everyone = [""] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, reason)
+    return next(r for r in everyone if r)
+
+
 def mean_over_ranks(stats: dict[str, float]) -> dict[str, float]:
     keys = sorted(stats)
     t = torch.tensor([stats[k] for k in keys], dtype=torch.float64)

@@ -67,10 +67,17 @@ class RemoteReward(Config):
     url: str = required("base URL of a reward server (python -m engine.rewards.server), e.g. http://127.0.0.1:8000")
     components: dict[str, float] = required("the server's components to use -> weight")
     fields: list[str] = option([], "prompt-data columns sent with each response")
+    token_env: str | None = option(
+        None, "environment variable holding the server's token, sent with every request (None: no token)"
+    )
     timeout_s: float = option(30.0, "timeout of one request", gt=0)
     retries: int = option(3, "retries of a failed request (backoff doubling from backoff_s) before the run stops", ge=0)
     backoff_s: float = option(1.0, "wait before the first retry", ge=0)
     fallback: float = option(0.0, "value of a response the server could not score")
+
+    def check(self) -> None:
+        if self.token_env == "":
+            raise ConfigError("token_env '' names no environment variable: give one, or null for no token")
 
 
 NonNegativeFloat = Annotated[float, Field(ge=0)]
