@@ -7,9 +7,10 @@ Recipe: config -> process group -> prompts -> output-directory checks -> four mo
 DeepSpeed engines in one group (actor and critic trained, reference and reward model frozen; no
 critic with a critic-free ``ppo.advantage_estimator``; with LoRA only adapters train and the
 reference is the actor with its adapters off) -> sampler (vLLM, built after the engines) ->
-start or resume the run -> held-out evaluation of the start -> loop: generate -> make experience
-(log-probs, values, scores, KL, GAE) -> PPO epochs over mini-batches -> sync the actor into vLLM
--> log / evaluate (roll back on a drop) / checkpoint -> HF export -> report.
+start or resume the run (the code sandbox's isolation logged) -> held-out evaluation of the start
+-> loop: generate -> make experience (log-probs, values, scores, KL, GAE) -> PPO epochs over
+mini-batches -> sync the actor into vLLM -> log / evaluate (roll back on a drop) / checkpoint -> HF
+export -> report.
 """
 
 from __future__ import annotations
@@ -33,7 +34,13 @@ from engine.ppo.engines import (
     critic_value_weights,
 )
 from engine.ppo.evaluation import HeldOutEvaluator, held_out_eval
-from engine.ppo.inputs import check_models, load_fitting_prompts, reward_components, reward_model_inputs
+from engine.ppo.inputs import (
+    check_models,
+    code_sandbox,
+    load_fitting_prompts,
+    reward_components,
+    reward_model_inputs,
+)
 from engine.ppo.iteration import PPOIteration
 from engine.ppo.settings import ExperienceSettings, UpdateSettings
 from engine.rewards.components import RewardsUnavailable
@@ -64,6 +71,7 @@ def main() -> int:
             f"{cfg.rollout.prompts_per_iteration}"
         )
     components = reward_components(cfg)
+    sandbox = code_sandbox(components)  # its isolation, probed (and "none" refused unless allowed) by the check
     if run_args.dry_run:
         return (
             ppo_plan(
@@ -74,7 +82,7 @@ def main() -> int:
                 ds_config,
                 world,
                 run_args.device_memory_gib,
-                reward_model_inputs(tokenizers, prompts[0].messages),
+                reward_model_inputs(tokenizers, prompts[0].messages) + sandbox,
             )
             if rank == 0
             else 0
@@ -137,6 +145,8 @@ def main() -> int:
         logging=cfg.logging,
         desc="ppo",
     )
+    for line in sandbox:  # printed, and kept in events.jsonl
+        run.event("code_sandbox", line)
     update = UpdateSettings.from_config(cfg, value_weights, tokenizer.pad_token_id, engines.critic)
     experience = ExperienceSettings.from_config(cfg, value_weights, values_from_update=update.values_gae is not None)
     if rank == 0:

@@ -1,9 +1,11 @@
 """What a PPO run checks and loads before any model does: the prompts that fit (with the columns
 the rewards read), the actor's and reward model's tokenizers once their directories are found
-usable, and the rewards section's components with their workers started and checked."""
+usable, and the rewards section's components with their workers started and checked (the code
+sandbox's isolation among them)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from transformers import PreTrainedTokenizerBase
@@ -12,6 +14,7 @@ from engine.data.chat import Message, rerendering_difference, shares_template
 from engine.data.prompts import Prompt, load_prompts, prompts_that_fit
 from engine.rewards.code_tests import check_column
 from engine.rewards.components import RewardComponents, RewardsConfigError
+from engine.rewards.sandbox import describe_isolation
 from engine.run.launch import RunRefused
 from engine.run.preflight import (
     check_lora_targets,
@@ -116,3 +119,9 @@ def reward_components(cfg: PPOConfig) -> tuple[RewardComponents | None, RewardCo
         if rewards is not None:
             rewards.close()
         raise
+
+
+def code_sandbox(components: Sequence[RewardComponents | None]) -> list[str]:
+    """The code sandbox's isolation, as the components' check probed it, in one line (none without a
+    ``code`` component): the dry run prints it, a run logs it as an event."""
+    return sorted({describe_isolation(c.isolation) for c in components if c is not None and c.isolation})

@@ -18,6 +18,7 @@ import torch
 from engine.rewards.pool import RewardPool
 from engine.rewards.pool_components import PoolComponent, code_verifier, format_verifier, math_verifier
 from engine.rewards.remote import RewardServerClient, RewardServerError, ScoreItem, check_components
+from engine.rewards.sandbox import UnisolatedError, checked_isolation
 from engine.rewards.verifiers import length_penalty
 from engine.run_config.rewards import RewardsSection
 
@@ -65,15 +66,26 @@ class RewardComponents:
             RewardServerClient(remote.url, remote.timeout_s, remote.retries, remote.backoff_s) if remote else None
         )
         self.pool = RewardPool(rewards.workers) if self.in_pool else None
+        self.isolation: str | None = None  # the code sandbox's mode (with ``code``), once :meth:`check` probed it
 
     @property
     def names(self) -> list[str]:
         return list(self.weights)
 
     def check(self, key: str = "rewards") -> None:
-        """Before any model loads: every function imports and takes its arguments; the server is up
-        and serves the configured components. :class:`RewardsConfigError` naming the key (under
-        ``key``, the section's dotted path) if not."""
+        """Before any model loads: the code sandbox isolates the code (or ``code.allow_unisolated``
+        accepts that it cannot); every function imports and takes its arguments; the server is up and
+        serves the configured components. :class:`RewardsConfigError` naming the key (under ``key``, the
+        section's dotted path) if not."""
+        if self.section.code:
+            try:
+                self.isolation = checked_isolation(self.section.code.allow_unisolated)
+            except UnisolatedError as e:
+                raise RewardsConfigError(
+                    f"'{key}.code.allow_unisolated' is false and {e}, or set it to true to accept that"
+                ) from None
+            except RuntimeError as e:  # no mode runs here at all
+                raise RewardsConfigError(f"'{key}.code': {e}") from None
         for c in self.in_pool:
             if c.with_prompt and self.pool and (error := self.pool.check(c.function, 2, list(c.fields))):
                 raise RewardsConfigError(f"'{key}.functions.{c.name}.function': {error}")
