@@ -169,11 +169,14 @@ def launch(
     return result
 
 
-def run_script(script: str, config: Path, *extra: str) -> subprocess.CompletedProcess:
+def run_script(
+    script: str, config: Path, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """``python train/<script> --config config extra...`` (one rank, forked from a warm interpreter) for
-    runs that are refused before training: no process group, no environment for the run."""
+    runs that are refused before training or dry runs: no process group, no environment for the run
+    (``env`` adds variables, e.g. RLHF_FAULTS)."""
     return FORKING_PYTHON.run(
-        [str(REPO / "train" / script), "--config", str(config), *extra], dict(os.environ), timeout=300
+        [str(REPO / "train" / script), "--config", str(config), *extra], {**os.environ, **(env or {})}, timeout=300
     )
 
 

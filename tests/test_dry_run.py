@@ -8,8 +8,10 @@ import re
 import subprocess
 import sys
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
-from helpers import REPO, launch, write_ppo_config, write_rm_config
+from helpers import REPO, faults, launch, run_script, write_ppo_config, write_rm_config
 
 
 def test_rm_dry_run_under_the_launcher_prints_the_plan_once(tiny_model_dir, rm_data, tmp_path):
@@ -68,6 +70,44 @@ def test_ppo_dry_run_counts_four_models_and_writes_nothing(tiny_model_dir, rm_ru
         out
     )
     assert "fits 0.5 GiB: yes, 0." in out
+    assert not (tmp_path / "run").exists()
+
+
+def test_ppo_dry_run_refuses_a_code_sandbox_without_namespaces_unless_allowed(tiny_model_dir, rm_data, tmp_path):
+    """Where the code sandbox cannot create namespaces (RLHF_FAULTS no_namespaces: the probe finds mode
+    "none" only), a run with rewards.code stops before any model loads, exit 2 naming
+    rewards.code.allow_unisolated; with that key true the plan says what the code runs with."""
+    prompts = pq.read_table(rm_data / "prompts_train.parquet")
+    tests = pa.array([["assert f(1) == 1"]] * prompts.num_rows)
+    pq.write_table(prompts.append_column("tests", tests), tmp_path / "prompts.parquet")
+    config = tmp_path / "ppo.json"
+    config.write_text(
+        json.dumps(
+            {
+                "actor": {"path": str(tiny_model_dir)},
+                "rewards": {"code": {}, "workers": 1},
+                "data": {"prompts": str(tmp_path / "prompts.parquet")},
+                "deepspeed": "tiny_cpu_zero2.json",
+                "rollout": {"sampler": "hf", "prompts_per_iteration": 4, "samples_per_prompt": 2},
+                "ppo": {"advantage_estimator": "grpo", "mini_batch_size": 8},
+                "logging": {"output_dir": str(tmp_path / "run")},
+            }
+        )
+    )
+    refused = run_script("train_ppo.py", config, "--dry-run", env=faults(no_namespaces=True))
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    said = next(line for line in refused.stderr.splitlines() if line.startswith("config error: "))
+    assert said.startswith(f"config error: {config}: 'rewards.code.allow_unisolated' is false and the code sandbox "), (
+        said
+    )
+    assert "model-written code would run with the uid of the trainer or reward server" in said
+    assert "Traceback" not in refused.stderr
+    allowed = run_script(
+        "train_ppo.py", config, "--dry-run", "--rewards.code.allow_unisolated", "true", env=faults(no_namespaces=True)
+    )
+    assert allowed.returncode == 0, allowed.stderr[-3000:]
+    warning = "warning: the code sandbox runs without isolation here: model-written code runs with"
+    assert warning in allowed.stdout
     assert not (tmp_path / "run").exists()
 
 

@@ -12,9 +12,11 @@ import torch
 from transformers import AutoTokenizer
 
 from engine.models.loading import load_value_model
+from engine.ppo.inputs import code_sandbox
 from engine.ppo.rewards import RewardModelScorer, RewardScorer, SampledResponses
 from engine.rewards.components import RewardComponents, RewardsConfigError, RewardsUnavailable
 from engine.rewards.pool import Call, RewardPool
+from engine.rewards.sandbox import describe_isolation, isolation
 from engine.rewards.verifiers import final_answer, length_penalty, math_reward
 from engine.rollout.sampler import Sample
 from engine.run_config.rewards import RewardModelSection, RewardsSection
@@ -161,6 +163,9 @@ def test_scorer_combines_rm_components_and_penalties(process_group, rm_run, user
     )
     components = RewardComponents(rewards, max_new_tokens=16)
     components.check()
+    assert code_sandbox([components, None]) == [
+        describe_isolation(isolation())
+    ]  # the mode the check probed: plan and log
     rm_half = RewardModelScorer(rm, tok, RewardModelSection(path=model_dir, weight=0.5), 512)
     scorer = RewardScorer(rm_half, components, rewards)
     try:

@@ -5,6 +5,7 @@ retries and protocol checks, and the trainer's token, against small servers in t
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import socket
 import subprocess
@@ -24,9 +25,10 @@ from fastapi import FastAPI, Response
 from transformers import AutoModelForTokenClassification, AutoTokenizer
 
 from engine.data.chat import tokenize_pairs
+from engine.rewards import sandbox
 from engine.rewards.components import RewardComponents, RewardsConfigError, RewardsUnavailable, ScoringBatch
 from engine.rewards.remote import RewardServerClient, RewardServerError, ScoreItem
-from engine.rewards.server import build_app, code_section, parse_args
+from engine.rewards.server import build_app, check_sandbox, code_section, main, parse_args
 from engine.rewards.server_access import TOKEN_ENV, Limits
 from engine.run_config.rewards import CodeReward, RewardsSection
 
@@ -204,10 +206,24 @@ def test_server_refuses_a_command_with_nothing_to_serve_a_bad_pattern_or_no_toke
 
 def test_the_code_limits_default_to_the_trainers():
     assert code_section(parse_args(["--code-field", "tests"])) == CodeReward(field="tests")
-    limits = ["--code-cpu-s", "2", "--code-wall-s", "3", "--code-memory-mb", "512"]
+    limits = ["--code-cpu-s", "2", "--code-wall-s", "3", "--code-memory-mb", "512", "--allow-unisolated"]
     assert code_section(parse_args(["--code-field", "t", *limits])) == CodeReward(
-        field="t", cpu_s=2, wall_s=3.0, memory_mb=512
+        field="t", cpu_s=2, wall_s=3.0, memory_mb=512, allow_unisolated=True
     )
+
+
+def test_code_without_namespaces_is_refused_unless_allowed(monkeypatch, capsys, caplog):
+    """Where the sandbox finds only mode "none" (the probe's answer forced), serving code exits 2 naming
+    --allow-unisolated before anything loads; with the flag, the isolation is logged as a warning."""
+    monkeypatch.setattr(sandbox, "isolation", lambda: "none")
+    assert main(["--code-field", "tests", "--workers", "1", "--reward-model", "/nonexistent"]) == 2
+    said = capsys.readouterr().err
+    assert "reward server: --allow-unisolated is not given and the code sandbox cannot create namespaces" in said
+    assert "/nonexistent" not in said  # refused before the reward model loads
+    with caplog.at_level(logging.INFO, logger="engine.rewards.server"):
+        check_sandbox(allow_unisolated=True)
+    assert caplog.records[-1].levelno == logging.WARNING
+    assert caplog.records[-1].getMessage().startswith("warning: the code sandbox runs without isolation")
 
 
 @contextmanager

@@ -8,6 +8,7 @@ import os
 import resource
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -16,6 +17,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 import pytest
@@ -23,11 +25,21 @@ import pytest
 from engine.data.errors import DataFileError
 from engine.rewards import sandbox
 from engine.rewards.code_tests import AssertCase, IoCase, check_column, extract_code, parse_tests
-from engine.rewards.sandbox import SandboxLimits, isolation, pass_rate, run_tests
+from engine.rewards.sandbox import (
+    SandboxLimits,
+    UnisolatedError,
+    checked_isolation,
+    describe_isolation,
+    isolation,
+    pass_rate,
+    run_tests,
+)
+from engine.rewards.verifiers import code_reward
 
 REPO = Path(__file__).resolve().parent.parent
 LIMITS = SandboxLimits(cpu_s=1, wall_s=1.5, memory_mb=256, processes=16, output_kb=64)  # for hostile code
 ROOMY = SandboxLimits(cpu_s=5, wall_s=20, memory_mb=256, processes=16, output_kb=64)  # honest code never times out
+MARKER = f"escaped-{uuid.uuid4().hex}"  # in the command line of a hostile program's grandchild
 MARGIN_S = 2.0  # kill, namespace teardown and clean-up on a 2-core machine that other jobs load too
 SQUARES = ["assert f(2) == 4", "assert f(3) == 9"]
 MODES = [None, "userns"]  # the best mode here (root: "root"), and a user namespace (a root trainer's sandbox uid)
@@ -39,14 +51,16 @@ def score(code: str, tests: list, mode: str | None = None, limits: SandboxLimits
 
 
 def sandbox_processes() -> set[tuple[int, float]]:
-    """Live processes of a sandbox: the harness and its forks, and whatever runs under a sandbox uid.
+    """Live processes of a sandbox: the harness and its forks, whatever runs under a sandbox uid, and
+    what a hostile program started with MARKER in its command line.
     (Not zombies: dead, they wait for their parent; without a PID namespace that is the machine's init.)"""
     found = set()
     for p in psutil.process_iter(["cmdline", "uids", "create_time", "status"]):
         try:
             if p.info["status"] == psutil.STATUS_ZOMBIE:
                 continue
-            if sandbox.HARNESS in " ".join(p.info["cmdline"] or []) or p.info["uids"].real >= sandbox.UID_BASE:
+            cmdline = " ".join(p.info["cmdline"] or [])
+            if sandbox.HARNESS in cmdline or MARKER in cmdline or p.info["uids"].real >= sandbox.UID_BASE:
                 found.add((p.pid, p.info["create_time"]))
         except (psutil.Error, AttributeError):
             continue
@@ -185,31 +199,66 @@ def test_a_program_that_claims_success_gets_no_credit():
 
 # --- containment -------------------------------------------------------------------------------------
 
-ESCAPE = """
+SOLVED = "def f(x):\n    return x * x\n"  # passes SQUARES
+
+
+def escape(seconds: int, execs: bool = True) -> str:
+    """Sleep ``seconds`` beside a double-forked setsid() grandchild that sleeps as long: a Python whose
+    command line holds MARKER, or (``execs`` False) the fork itself."""
+    grandchild = (
+        f'os.execv(sys.executable, [sys.executable, "-S", "-c", "import time; time.sleep({seconds})", "{MARKER}"])'
+        if execs
+        else f"time.sleep({seconds})"
+    )
+    return f"""
 import os, sys, time
 if os.fork() == 0:
     os.setsid()  # out of the process group
     if os.fork() == 0:
-        os.execv(sys.executable, [sys.executable, "-S", "-c", "import time; time.sleep(60)"])
+        {grandchild}
     os._exit(0)
-time.sleep(60)
+time.sleep({seconds})
 """
-ESCAPE_NO_EXEC = ESCAPE.replace(
-    'os.execv(sys.executable, [sys.executable, "-S", "-c", "import time; time.sleep(60)"])', "time.sleep(60)"
-)
+
+
+class Hostile(NamedTuple):
+    action: str  # run after SOLVED, before the tests
+    tame: str  # the same action within the limits: the run passes both tests
+    statuses: set[str]  # of the hostile run
+    passed: int  # by the hostile run: 0 when its limit ends the run before the tests
+
+
 HOSTILE = {
-    "infinite loop": ("while True:\n    pass", {"killed", "timeout"}),  # RLIMIT_CPU, or the wall clock under load
-    "sleep with a setsid() grandchild": (ESCAPE, {"timeout"}),
-    "fork bomb": (
+    # RLIMIT_CPU, or the wall clock under load
+    "infinite loop": Hostile("while True:\n    pass", "for _ in range(1000):\n    pass", {"killed", "timeout"}, 0),
+    "sleep with a setsid() grandchild": Hostile(escape(60), escape(0), {"timeout"}, 0),
+    "fork bomb": Hostile(
         "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+        "import os\nfor _ in range(4):\n    if os.fork() == 0:\n        os._exit(0)\n    os.wait()",
         {"timeout"},
+        0,
     ),
-    "memory bomb": ("x = []\nwhile True:\n    x.append(bytearray(50 << 20))", {"ok"}),  # MemoryError; tests fail
-    "stdout flood": ("import os\nwhile True:\n    os.write(1, b'x' * (1 << 20))", {"output_limit"}),
-    "stderr flood": ("import sys\nwhile True:\n    sys.stderr.write('x' * (1 << 20))", {"output_limit"}),
-    "record flood": (
-        "import os, sys\nfd = sys._getframe(1).f_locals['record_fd']\nwhile True:\n    os.write(fd, b'[' * 65536)",
+    # RLIMIT_AS: a MemoryError, after which the run goes on and the tests pass
+    "memory bomb": Hostile(
+        "x = []\nwhile True:\n    x.append(bytearray(50 << 20))", "x = [bytearray(50 << 20)]", {"ok"}, 2
+    ),
+    "stdout flood": Hostile(
+        "import os\nwhile True:\n    os.write(1, b'x' * (1 << 20))",
+        "import os\nos.write(1, b'x' * 1024)",
         {"output_limit"},
+        0,
+    ),
+    "stderr flood": Hostile(
+        "import sys\nwhile True:\n    sys.stderr.write('x' * (1 << 20))",
+        "import sys\nsys.stderr.write('x' * 1024)",
+        {"output_limit"},
+        0,
+    ),
+    "record flood": Hostile(
+        "import os, sys\nfd = sys._getframe(1).f_locals['record_fd']\nwhile True:\n    os.write(fd, b'[' * 65536)",
+        "import os, sys\nfd = sys._getframe(1).f_locals['record_fd']",  # found, left alone
+        {"output_limit"},
+        0,
     ),
 }
 
@@ -222,11 +271,17 @@ RUNS = [(name, None) for name in HOSTILE] + [
 
 @pytest.mark.parametrize(("name", "mode"), RUNS)
 def test_hostile_code_is_contained(name, mode, contained):
-    code, statuses = HOSTILE[name]
+    """A solution, then a hostile action: its limit strikes within the wall clock (the status), the run
+    earns only what it passed before (the memory bomb's MemoryError lets it go on), and no process is
+    left (``contained``: the setsid() grandchild is found by its MARKER). The same action within the
+    limits passes both tests: the limit failed the run, not the program."""
+    hostile = HOSTILE[name]
+    tame = score(SOLVED + hostile.tame, SQUARES, mode, LIMITS)
+    assert (tame.passed, tame.status) == (2, "ok"), tame
     start = time.monotonic()
-    result = score(code, SQUARES, mode, LIMITS)
+    result = score(SOLVED + hostile.action, SQUARES, mode, LIMITS)
     assert time.monotonic() - start < LIMITS.wall_s + MARGIN_S
-    assert (result.passed, result.status in statuses) == (0, True), result
+    assert (result.passed, result.status in hostile.statuses) == (hostile.passed, True), result
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -235,17 +290,17 @@ def test_code_cannot_write_outside_its_directory(mode, tmp_path, contained):
     targets = [tmp_path / "escape", Path(tempfile.gettempdir()) / f"escape-{uuid.uuid4().hex}"]
     targets.append(Path("/dev/shm") / f"escape-{uuid.uuid4().hex}")
     code = f"""
-        import os
-        for path in {[str(t) for t in targets]!r} + ["../escape-up"]:
+        for path in {[str(t) for t in targets]!r} + ["../escape-up", "mine"]:
             try:
                 with open(path, "w") as f:
                     f.write("x")
             except OSError:
                 pass
-        def ran():
-            return True
+        def mine():
+            with open("mine") as f:
+                return f.read()
     """
-    assert score(code, ["assert ran() == True"], mode).passed == 1
+    assert score(code, ["assert mine() == 'x'"], mode).passed == 1  # it ran, and wrote in its own directory
     assert [t for t in targets if t.exists()] == []
     assert list(tmp_path.iterdir()) == []
 
@@ -333,6 +388,21 @@ def test_a_trivial_response_costs_well_under_half_a_second():
     assert 0.0 < cpu_s < 0.25
 
 
+def test_mode_none_is_refused_unless_allowed(monkeypatch):
+    """Where only mode "none" works (the probe's answer forced here; a launched dry run in
+    tests/test_dry_run.py), the check refuses it, saying what the code would run with, unless allowed;
+    so does each code_reward call in a reward worker, which probes for itself."""
+    monkeypatch.setattr(sandbox, "isolation", lambda: "none")
+    with pytest.raises(
+        UnisolatedError, match=r"would run with the uid of the trainer .*, the host.s network and every file"
+    ):
+        checked_isolation(allow_unisolated=False)
+    assert checked_isolation(allow_unisolated=True) == "none"
+    assert describe_isolation("none").startswith("warning: the code sandbox runs without isolation")
+    with pytest.raises(UnisolatedError):
+        code_reward(SOLVED, SQUARES, cpu_s=1, wall_s=1.0, memory_mb=64, allow_unisolated=False)
+
+
 @needs_root
 def test_isolation_as_root_uses_namespaces_and_a_sandbox_uid():
     assert isolation() == "root"
@@ -347,7 +417,8 @@ def test_without_namespaces_the_limits_and_the_uid_still_hold(contained):
     assert score("def f(x):\n    return x * x", SQUARES, "none").passed == 2
     assert score("while True:\n    pass", SQUARES, "none", LIMITS).status in ("killed", "timeout")
     start = time.monotonic()
-    assert score(ESCAPE_NO_EXEC, SQUARES, "none", LIMITS).passed == 0
+    result = score(SOLVED + escape(60, execs=False), SQUARES, "none", LIMITS)
+    assert (result.passed, result.status) == (0, "timeout")
     assert time.monotonic() - start < LIMITS.wall_s + MARGIN_S
 
 
@@ -376,23 +447,38 @@ print(os.getuid(), isolation(), *(run_tests(code, tests, limits, mode).passed fo
 '''
 
 
+def closed_ancestor(path: str) -> Path | None:
+    """The topmost directory above ``path`` (not /) that other users may not enter, if any."""
+    return next((p for p in reversed(Path(path).parents[:-1]) if not p.stat().st_mode & stat.S_IXOTH), None)
+
+
 @needs_root
 @pytest.mark.skipif(not (shutil.which("unshare") and shutil.which("setpriv")), reason="needs util-linux")
 def test_as_a_non_root_trainer(tmp_path):
-    """As uid 65534 (the interpreter's directory under /root bound back into a private mount
-    namespace so that uid can run it): user namespaces here, so mode "userns" with no network; mode
-    "none" has the network (and runs as the trainer's uid)."""
+    """As uid 65534: user namespaces here, so mode "userns" with no network; mode "none" has the network
+    (and runs as the trainer's uid). That trainer runs a world-readable copy of engine/ under the base
+    interpreter with the standard library only (-I -S, as the harness does), so the test does not depend
+    on where the checkout and its virtualenv live; an interpreter under a directory that uid may not
+    enter (e.g. /root) is bound back into a private mount namespace so that it can run it."""
+    python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
     prefix = os.path.realpath(sys.base_prefix)
-    view = tmp_path / "prefix"
-    view.mkdir()
-    rebind = f'mount --bind "{prefix}" "{view}" && mount -t tmpfs -o mode=755 tmpfs /root && '
-    rebind += f'mkdir -p "{prefix}" && mount --bind "{view}" "{prefix}" && ' if prefix.startswith("/root/") else ""
     script_dir = Path(tempfile.mkdtemp())  # pytest's tmp_path is not reachable for uid 65534
     try:
-        script_dir.chmod(0o755)
+        shutil.copytree(REPO / "engine", script_dir / "engine", ignore=shutil.ignore_patterns("__pycache__"))
         (script_dir / "nobody.py").write_text(NOBODY)
+        for path in [script_dir, *script_dir.rglob("*")]:  # whatever the umask and the checkout's modes
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        closed = closed_ancestor(prefix)
+        view = tmp_path / "prefix"
+        view.mkdir()
+        rebind = (
+            f'mount --bind "{prefix}" "{view}" && mount -t tmpfs -o mode=755 tmpfs "{closed}" && '
+            f'mkdir -p "{prefix}" && mount --bind "{view}" "{prefix}" && '
+            if closed
+            else ""
+        )
         run_as_nobody = "setpriv --reuid 65534 --regid 65534 --clear-groups --inh-caps=-all --bounding-set=-all"
-        command = f"{rebind}exec {run_as_nobody} {sys.executable} {script_dir / 'nobody.py'} {REPO}"
+        command = f"{rebind}exec {run_as_nobody} {python} -I -S {script_dir / 'nobody.py'} {script_dir}"
         unshare = ["unshare", "--mount", "--propagation", "private", "sh", "-c", command]
         out = subprocess.run(unshare, capture_output=True, text=True, timeout=60)
     finally:

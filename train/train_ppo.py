@@ -7,9 +7,10 @@ Recipe: config -> process group -> prompts -> output-directory checks -> four mo
 DeepSpeed engines in one group (actor and critic trained, reference and reward model frozen; no
 critic with a critic-free ``ppo.advantage_estimator``; with LoRA only adapters train and the
 reference is the actor with its adapters off) -> sampler (vLLM, built after the engines) ->
-start or resume the run -> held-out evaluation of the start -> loop: generate -> make experience
-(log-probs, values, scores, KL, GAE) -> PPO epochs over mini-batches -> sync the actor into vLLM
--> log / evaluate (roll back on a drop) / checkpoint -> HF export -> report.
+start or resume the run (the code sandbox's isolation logged) -> held-out evaluation of the start
+-> loop: generate -> make experience (log-probs, values, scores, KL, GAE) -> PPO epochs over
+mini-batches -> sync the actor into vLLM -> log / evaluate (roll back on a drop) / checkpoint -> HF
+export -> report.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from engine.ppo.engines import (
 from engine.ppo.evaluation import HeldOutEvaluator, held_out_eval
 from engine.ppo.inputs import (
     check_models,
+    code_sandbox,
     episode_runner,
     load_fitting_prompts,
     reward_components,
@@ -71,6 +73,7 @@ def main() -> int:
         )
     components = reward_components(cfg)
     episodes = episode_runner(cfg, tokenizer)
+    sandbox = code_sandbox(components)  # its isolation, probed (and "none" refused unless allowed) by the check
     if run_args.dry_run:
         return (
             ppo_plan(
@@ -81,7 +84,7 @@ def main() -> int:
                 ds_config,
                 world,
                 run_args.device_memory_gib,
-                reward_model_inputs(tokenizers, prompts[0].messages),
+                reward_model_inputs(tokenizers, prompts[0].messages) + sandbox,
             )
             if rank == 0
             else 0
@@ -147,6 +150,8 @@ def main() -> int:
         logging=cfg.logging,
         desc="ppo",
     )
+    for line in sandbox:  # printed, and kept in events.jsonl
+        run.event("code_sandbox", line)
     update = UpdateSettings.from_config(cfg, value_weights, tokenizer.pad_token_id, engines.critic)
     experience = ExperienceSettings.from_config(cfg, value_weights, values_from_update=update.values_gae is not None)
     if rank == 0:

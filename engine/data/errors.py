@@ -1,9 +1,12 @@
-"""The error of a data file a run cannot use (the launched scripts exit 2 with it)."""
+"""The error of a data file a run cannot use (the launched scripts exit 2 with it). pyarrow loads when
+a file is read: the code sandbox's side (engine/rewards/code_tests.py) needs the standard library only."""
 
 from __future__ import annotations
 
-import pyarrow as pa
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 
 class DataFileError(ValueError):
@@ -13,6 +16,9 @@ class DataFileError(ValueError):
 def read_parquet(path: str, columns: tuple[str, ...], made_by: str, readers: dict[str, str] | None = None) -> pa.Table:
     """The ``columns`` of a parquet file; :class:`DataFileError` when it cannot be read or lacks one
     (``made_by`` says which tool writes such files; ``readers``: column -> what reads it, for the message)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     try:
         table = pq.read_table(path)
     except (OSError, pa.ArrowException) as e:

@@ -1,10 +1,11 @@
 """What a PPO run checks and loads before any model does: the prompts that fit (with the columns
 the rewards read), the actor's and reward model's tokenizers once their directories are found
-usable, the rewards section's components and the environment's runner with their workers started
-and checked."""
+usable, the rewards section's components (the code sandbox's isolation among their checks) and the
+environment's runner, with their workers started and checked."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from transformers import PreTrainedTokenizerBase
@@ -14,6 +15,7 @@ from engine.data.prompts import Prompt, load_prompts, prompts_that_fit
 from engine.environments.episodes import EpisodeRunner, TemplateCannotObserve
 from engine.rewards.code_tests import check_column
 from engine.rewards.components import RewardComponents, RewardsConfigError
+from engine.rewards.sandbox import describe_isolation
 from engine.run.launch import RunRefused
 from engine.run.preflight import (
     check_lora_targets,
@@ -136,3 +138,9 @@ def episode_runner(cfg: PPOConfig, tokenizer: PreTrainedTokenizerBase) -> Episod
         runner.close()
         raise RunRefused("config", f"{cfg._source}: 'rollout.environment.name' ({section.name}): {error}")
     return runner
+
+
+def code_sandbox(components: Sequence[RewardComponents | None]) -> list[str]:
+    """The code sandbox's isolation, as the components' check probed it, in one line (none without a
+    ``code`` component): the dry run prints it, a run logs it as an event."""
+    return sorted({describe_isolation(c.isolation) for c in components if c is not None and c.isolation})

@@ -19,6 +19,7 @@ import torch
 from engine.rewards.pool import RewardPool
 from engine.rewards.pool_components import PoolComponent, code_verifier, format_verifier, math_verifier
 from engine.rewards.remote import RewardServerClient, RewardServerError, ScoreItem, bearer_token_problem
+from engine.rewards.sandbox import UnisolatedError, checked_isolation
 from engine.rewards.verifiers import length_penalty
 from engine.run_config.rewards import RewardsSection
 
@@ -71,16 +72,27 @@ class RewardComponents:
         )
         modules = [m for c in self.in_pool for m in c.modules]
         self.pool = RewardPool(rewards.workers, modules, rewards.import_timeout_s) if self.in_pool else None
+        self.isolation: str | None = None  # the code sandbox's mode (with ``code``), once :meth:`check` probed it
 
     @property
     def names(self) -> list[str]:
         return list(self.weights)
 
     def check(self, key: str = "rewards") -> None:
-        """Before any model loads: the workers imported every component's modules, each function takes
+        """Before any model loads: the code sandbox isolates the code (or ``code.allow_unisolated``
+        accepts that it cannot); the workers imported every component's modules, each function takes
         its arguments; the server's token is set, the server is up, takes the token and serves the
         configured components. :class:`RewardsConfigError` naming the key (under ``key``, the
         section's dotted path) if not."""
+        if self.section.code:
+            try:
+                self.isolation = checked_isolation(self.section.code.allow_unisolated)
+            except UnisolatedError as e:
+                raise RewardsConfigError(
+                    f"'{key}.code.allow_unisolated' is false and {e}, or set it to true to accept that"
+                ) from None
+            except RuntimeError as e:  # no mode runs here at all
+                raise RewardsConfigError(f"'{key}.code': {e}") from None
         if self.pool and (failed := self.pool.warm_up()):
             module, why = failed
             owner = next((c for c in self.in_pool if module in c.modules), None)

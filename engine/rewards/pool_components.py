@@ -58,7 +58,7 @@ def math_verifier(math: MathReward, timeout_s: float) -> PoolComponent:
 
 def code_verifier(code: CodeReward) -> PoolComponent:
     """``code``: the share of the row's ``code.field`` tests the response's code passes in the sandbox,
-    within ``code``'s limits (verifiers.code_reward); the call's timeout is its ``wall_s`` + 5 s."""
+    within ``code``'s limits and isolation (verifiers.code_reward); the call's timeout is its ``wall_s`` + 5 s."""
     return PoolComponent(
         "code",
         f"{VERIFIERS}:code_reward",
@@ -66,7 +66,12 @@ def code_verifier(code: CodeReward) -> PoolComponent:
         code.fallback,
         code.wall_s + 5,  # the sandbox kills the code at wall_s; 5 s more for its start and end
         {"tests": code.field},
-        {"cpu_s": code.cpu_s, "wall_s": code.wall_s, "memory_mb": code.memory_mb},
+        {
+            "cpu_s": code.cpu_s,
+            "wall_s": code.wall_s,
+            "memory_mb": code.memory_mb,
+            "allow_unisolated": code.allow_unisolated,
+        },
         with_prompt=False,
         warm=("engine.rewards.sandbox",),
     )

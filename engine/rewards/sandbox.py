@@ -3,7 +3,8 @@ code cannot reach: expected values never enter the sandbox. The parent keeps the
 ``assert <expr> == <literal>``; the child (sandbox_harness.py) runs the code and reports
 ``repr(<expr>)``; the parent compares ``ast.literal_eval(reported)`` with the literal. A stdin/stdout
 case runs the program once and the parent compares its output. Exiting early, printing "passed",
-patching builtins or an ``__eq__`` that is always True earn nothing. Isolation: docs/sandbox.md.
+patching builtins or an ``__eq__`` that is always True earn nothing. Isolation: docs/sandbox.md; a
+caller that scores code refuses mode "none" unless allowed (:func:`checked_isolation`).
 """
 
 from __future__ import annotations
@@ -24,11 +25,24 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from engine.rewards.code_tests import AssertCase, IoCase, TestCase, normalise, score_records
+from engine.run import faults
 
 HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_harness.py")
 MODES = ("root", "userns", "none")  # strongest first; see isolation()
 UID_BASE = 1 << 30  # sandbox uids: UID_BASE + 256 * (pid mod 2**22) + (call mod 256), unique per live sandbox
 _calls = itertools.count()
+CONTAINED = {  # what the namespaced modes keep from the code (docs/sandbox.md, "What holds, by mode")
+    "root": "namespaces and a uid of its own: no network, a private root with the system directories read-only",
+    "userns": "a user namespace: no network, a private root with the system directories read-only",
+}
+EXPOSED = (  # what the code runs with in mode "none"
+    "the uid of the trainer or reward server (if that is root: a uid of its own), the host's network and every "
+    "file that uid may read or write (the checkout, the run's outputs, /tmp, /dev/shm)"
+)
+
+
+class UnisolatedError(RuntimeError):
+    """Only mode "none" works here, and running the code without isolation was not allowed."""
 
 
 @dataclass(frozen=True)
@@ -89,10 +103,34 @@ def run_tests(
     return SandboxResult(passed=sum(passed), total=len(tests), status=status, stderr=stderr)
 
 
+def checked_isolation(allow_unisolated: bool) -> str:
+    """:func:`isolation`, where "none" is refused (:class:`UnisolatedError`, saying what it exposes)
+    unless ``allow_unisolated``."""
+    mode = isolation()
+    if mode == "none" and not allow_unisolated:
+        raise UnisolatedError(
+            "the code sandbox cannot create namespaces here (neither as root nor in a user namespace: the probe's "
+            f"errors are above), so model-written code would run with {EXPOSED}; allow user namespaces or run as root "
+            "(docs/sandbox.md)"
+        )
+    return mode
+
+
+def describe_isolation(mode: str) -> str:
+    """``mode`` in one line for the logs: what it keeps from the code, or for "none" a warning saying what
+    the code can reach."""
+    if mode == "none":
+        return f"warning: the code sandbox runs without isolation here: model-written code runs with {EXPOSED}"
+    return f"code sandbox: {mode} ({CONTAINED[mode]})"
+
+
 @functools.cache
 def isolation() -> str:
     """The strongest mode that works here, found by running a probe: "root" (namespaces, per-sandbox
     uid; the trainer is root), "userns" (namespaces inside a user namespace), else "none"."""
+    if faults.no_namespaces():
+        print("sandbox: modes root and userns refused by RLHF_FAULTS no_namespaces", file=sys.stderr)
+        return "none"
     errors = []
     for mode in MODES if sys.platform == "linux" else ("none",):
         if mode == "root" and os.geteuid() != 0:

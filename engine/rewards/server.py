@@ -10,7 +10,9 @@ Components it serves:
 * ``--format-pattern R``: ``format``, verifiers.format_reward(response, R);
 * ``--code-field F``: ``code``, verifiers.code_reward(response, fields[F], ...): the share of the
   row's tests the response's code passes in the sandbox (engine/rewards/sandbox.py) within
-  ``--code-cpu-s``, ``--code-wall-s`` and ``--code-memory-mb`` (the defaults of ``rewards.code``).
+  ``--code-cpu-s``, ``--code-wall-s`` and ``--code-memory-mb`` (the defaults of ``rewards.code``);
+  refused where the sandbox cannot create namespaces unless ``--allow-unisolated`` (as
+  ``rewards.code.allow_unisolated``). The sandbox's isolation is logged at start.
 
 The verifiers are the trainer's (engine/rewards/pool_components.py), run in ``--workers`` reward
 worker processes (engine/rewards/pool.py), each call within ``--verifier-timeout`` seconds (code:
@@ -54,6 +56,7 @@ from engine.rewards.remote import (
     ScoreResponse,
 )
 from engine.rewards.reward_model import head_names, reward_model_heads
+from engine.rewards.sandbox import UnisolatedError, checked_isolation, describe_isolation
 from engine.rewards.server_access import TOKEN_ENV, Admission, Limits, check_items, is_loopback, read_token
 from engine.run.launch import RunRefused
 from engine.run.preflight import check_reward_model, check_weights, load_tokenizer
@@ -150,8 +153,20 @@ def verifiers(args: argparse.Namespace) -> list[PoolComponent]:
 
 
 def code_section(args: argparse.Namespace) -> CodeReward:
-    """``rewards.code`` as the flags give it: --code-field and the --code-* limits (ValidationError out of range)."""
-    return CodeReward(field=args.code_field, **{limit: getattr(args, f"code_{limit}") for limit in CODE_LIMITS})
+    """``rewards.code`` as the flags give it: --code-field, the --code-* limits (ValidationError out of
+    range) and --allow-unisolated."""
+    limits = {limit: getattr(args, f"code_{limit}") for limit in CODE_LIMITS}
+    return CodeReward(field=args.code_field, allow_unisolated=args.allow_unisolated, **limits)
+
+
+def check_sandbox(allow_unisolated: bool) -> None:
+    """Log the code sandbox's isolation (a warning without namespaces); :class:`UnisolatedError` naming
+    --allow-unisolated where it cannot create namespaces and the flag is not given."""
+    try:
+        mode = checked_isolation(allow_unisolated)
+    except UnisolatedError as e:
+        raise UnisolatedError(f"--allow-unisolated is not given and {e}, or give it to accept that") from None
+    (log.warning if mode == "none" else log.info)(describe_isolation(mode))
 
 
 def build_app(scorers: Sequence[Scorer], token: str | None = None, limits: Limits | None = None) -> FastAPI:
@@ -228,6 +243,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             default=field.default,
             help=f"{field.description} (as rewards.code.{limit}; default %(default)s)",
         )
+    parser.add_argument(
+        "--allow-unisolated",
+        action="store_true",
+        help=f"{CodeReward.model_fields['allow_unisolated'].description} (as rewards.code.allow_unisolated)",
+    )
     args = parser.parse_args(argv)
     if not (args.reward_model or args.math_field or args.format_pattern or args.code_field):
         parser.error("nothing to serve: give --reward-model, --math-field, --format-pattern and/or --code-field")
@@ -267,6 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         scorers: list[Scorer] = []
         try:
+            if args.code_field:  # before the reward model loads
+                check_sandbox(args.allow_unisolated)
             if args.reward_model:
                 dtype = getattr(torch, args.dtype)
                 scorers.append(ServerRewardModel(args.reward_model, args.device, dtype, args.max_tokens))

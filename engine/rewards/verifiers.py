@@ -61,11 +61,16 @@ def length_penalty(response_tokens: int, target: int, limit: int) -> float:
     return -min(1.0, (response_tokens - target) / max(limit - target, 1))
 
 
-def code_reward(response: str, tests: object, cpu_s: int, wall_s: float, memory_mb: int) -> float:
+def code_reward(
+    response: str, tests: object, cpu_s: int, wall_s: float, memory_mb: int, allow_unisolated: bool
+) -> float:
     """The share of ``tests`` (:func:`engine.rewards.sandbox.parse_tests`) that the response's code
-    passes, run in the sandbox and counted outside it."""
+    passes, run in the sandbox and counted outside it. Raises rather than run it without isolation
+    unless ``allow_unisolated``: this worker probes the sandbox for itself, and a probe that failed here
+    (e.g. timed out on a loaded machine) must not pass unnoticed."""
     from engine.rewards.code_tests import extract_code, parse_tests
-    from engine.rewards.sandbox import SandboxLimits, pass_rate
+    from engine.rewards.sandbox import SandboxLimits, checked_isolation, pass_rate
 
+    checked_isolation(allow_unisolated)
     limits = SandboxLimits(cpu_s=cpu_s, wall_s=wall_s, memory_mb=memory_mb)
     return pass_rate(extract_code(response), parse_tests(tests), limits)

@@ -162,11 +162,12 @@ def ppo_plan(
     ds_config: dict[str, Any],
     world: int,
     device_gib: float | None = None,
-    reward_model_inputs: Sequence[str] = (),
+    scoring: Sequence[str] = (),
 ) -> int:
     """The PPO run: prompts, rollout and update batch plan (worst-case lengths), parameters, memory,
-    what the reward models read (``reward_model_inputs``, engine/ppo/inputs.py). With rollout.mode
-    async the batches and models are the training ranks', the sampler the generating ranks'."""
+    what the reward models read and the code sandbox's isolation (``scoring``, a line each:
+    engine/ppo/inputs.py). With rollout.mode async the batches and models are the training ranks',
+    the sampler the generating ranks'."""
     trainers = world - cfg.generation_ranks()
     split = f": {trainers} training, {world - trainers} generating (rollout.mode async)" if trainers < world else ""
     print(f"dry run of train_ppo.py ({world} rank(s){split}); nothing is trained or written")
@@ -174,7 +175,7 @@ def ppo_plan(
     print(f"prompts:      {length_stats(lengths)}")
     if eval_prompts:
         print(f"eval prompts: {len(eval_prompts):,}")
-    for line in reward_model_inputs:
+    for line in scoring:
         print(line)
     r = cfg.rollout
     longest = max(lengths) + r.max_new_tokens

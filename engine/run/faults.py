@@ -13,7 +13,9 @@ signatures carries a fault.
   states are written and before the directory is renamed into place;
 - ``fail_checkpoint_write_at``: the step whose checkpoint save fails with "No space left on device";
 - ``kill_generating_rank_at``: the generation request (1-based) at which an async rollout's generating
-  rank is killed (SIGKILL) before it answers (:func:`kill_generating_rank`).
+  rank is killed (SIGKILL) before it answers (:func:`kill_generating_rank`);
+- ``no_namespaces``: ``true`` makes the code sandbox's probe find mode "none" only, as on a machine
+  without user namespaces where the trainer is not root (:func:`no_namespaces`).
 """
 
 from __future__ import annotations
@@ -74,3 +76,7 @@ def kill_generating_rank(generation: int) -> None:
     """SIGKILL this process at its ``kill_generating_rank_at``-th generation request."""
     if generation == _faults().get("kill_generating_rank_at"):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def no_namespaces() -> bool:
+    return _faults().get("no_namespaces") is True

@@ -33,6 +33,11 @@ class CodeReward(Config):
     wall_s: float = option(10.0, "wall-clock seconds of one response's code; then its processes are killed", gt=0)
     memory_mb: int = option(1024, "address-space limit of one response's code", ge=16)
     fallback: float = option(0.0, FALLBACK)
+    allow_unisolated: bool = option(
+        False,
+        "run the code even where the sandbox cannot create namespaces: it then runs as the uid that scores it, with "
+        "the host's network and every file that uid may read or write (false: such a run is refused)",
+    )
 
 
 class FormatReward(Config):
