@@ -21,7 +21,7 @@ import json
 import os
 import typing
 from collections.abc import Sequence
-from typing import Annotated, Any, Self, TypeVar
+from typing import Annotated, Any, ClassVar, Self, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -47,6 +47,8 @@ class Config(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     _source: str = PrivateAttr("")  # the file it was loaded from, for the errors found once a run starts
+    # keys the section had once, each with what replaces it: the error for a config that still sets one
+    retired_keys: ClassVar[dict[str, str]] = {}
 
     @model_validator(mode="before")
     @classmethod
@@ -184,7 +186,7 @@ def _set_dotted(cls: Any, data: dict[str, Any], key: str, value: Any) -> None:
     while True:
         part, fields = parts[depth], node_cls.model_fields
         if part not in fields:
-            raise ConfigError(f"command line: unknown key '--{key}'{_suggest(part, fields, '.'.join(parts[:depth]))}")
+            raise ConfigError(f"command line: unknown key '--{key}'{_suggest(part, node_cls, '.'.join(parts[:depth]))}")
         if depth == len(parts) - 1:
             node[part] = value
             return
@@ -230,7 +232,7 @@ def _message(cls: type[Config], err: Any) -> str:
     for depth, part in enumerate(loc):
         fields = model.model_fields if _is_section(model) else {}
         if kind == "extra_forbidden" and depth == len(loc) - 1:
-            return f"unknown key '{key}'{_suggest(str(part), fields, _dotted(loc[:-1]))}"
+            return f"unknown key '{key}'{_suggest(str(part), model, _dotted(loc[:-1]))}"
         if part in fields:
             field, field_depth, model = fields[part], depth + 1, _section_or_type(fields[part].annotation)
         elif _is_section(entries := _entry_section(model)):  # the name of an entry of a dict of sections
@@ -277,9 +279,14 @@ def _entry_section(tp: Any) -> Any:
     return args[1] if typing.get_origin(tp) is dict and len(args) == 2 and _is_section(args[1]) else None
 
 
-def _suggest(key: str, fields: dict[str, Any], section: str) -> str:
-    close = difflib.get_close_matches(key, list(fields), n=1)
+def _suggest(key: str, cls: Any, section: str) -> str:
+    """What follows "unknown key" for ``key`` in the section class ``cls``: what replaced a retired key,
+    else the closest known key and the known keys."""
+    fields = cls.model_fields if _is_section(cls) else {}
     where = f" in '{section}'" if section else ""
+    if _is_section(cls) and key in cls.retired_keys:
+        return f"{where}: {cls.retired_keys[key]}"
+    close = difflib.get_close_matches(key, list(fields), n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     return f"{where}{hint}; known keys: {', '.join(fields)}"
 

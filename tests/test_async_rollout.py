@@ -50,12 +50,12 @@ def async_config(root, tiny_model_dir, rm_run, rm_data, name: str, **overrides):
 @pytest.fixture(scope="module")
 def stale_run(tiny_model_dir, rm_run, rm_data, tmp_path_factory):
     """Iteration t's batch generated with the weights after t - 1 (max_staleness 1) by a vLLM engine
-    tensor parallel over 2 ranks, truncated importance weights, a sync check and a checkpoint every iteration."""
+    tensor parallel over 2 ranks, a sequence-level importance mask, a sync check and a checkpoint every iteration."""
     root = tmp_path_factory.mktemp("ppo_async")
     stale = {
         "rollout__mode": "async",
         "rollout__max_staleness": 1,
-        "ppo__tis_cap": 2.0,
+        "ppo__rollout_correction": {"level": "sequence", "mode": "mask"},
         "checkpoint__every_steps": 1,
         "rollout__sync_check_every": 1,
         "rollout__tensor_parallel_size": 2,
@@ -71,7 +71,8 @@ def test_one_version_behind_trains_evaluates_and_exports(stale_run):
     assert metric_series(run, "ppo/staleness") == {1: 0, 2: 1, 3: 1}  # the first batch: the starting weights
     gap = metric_series(run, "ppo/sampler_logprob_gap")
     assert gap[1] < 1e-5 < gap[2]  # the sampler is the actor before the first update, one update behind after
-    assert all(0 <= v < 1 for v in metric_series(run, "ppo/tis_truncated").values())
+    masked = metric_series(run, "ppo/is_masked_share")  # no ratio is off before the first update
+    assert sorted(masked) == [1, 2, 3] and masked[1] == 0 and all(0 <= v <= 1 for v in masked.values()), masked
     checked = metric_series(run, "ppo/sync_check_gap")  # vLLM re-scored iteration t's sequences, compared at t + 1
     assert list(checked) == [2, 3] and all(v < 1e-5 for v in checked.values()), checked
     waited, took = metric_series(run, "timing/rollout_wait_s"), metric_series(run, "timing/iteration_s")
@@ -112,6 +113,7 @@ def test_the_plan_and_the_rules_of_the_split(stale_run, capsys):
     assert "actor                541,568 parameters (trained): ZeRO-3, 1 rank(s)" in plan
     assert "vLLM sampler: 1 engine of tensor parallel size 2 on the generating rank(s), none on the training" in plan
     assert "per generating rank: " in plan
+    assert "; sequence importance weights pi_actor / pi_sampler masked outside [0.5, 2]; " in plan
     with pytest.raises(ConfigError, match=r"needs more than rollout.tensor_parallel_size \(2\) ranks"):
         cfg.check_world_size(2)
     for bad, match in (

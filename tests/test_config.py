@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Literal
+from typing import ClassVar, Literal
 
 import pytest
 
@@ -22,6 +22,7 @@ from engine.config import (
 
 
 class PPOSection(Config):
+    retired_keys: ClassVar[dict[str, str]] = {"clip": "replaced by clip_ratio"}
     clip_ratio: float = option(0.2, "PPO clip range")
     ppo_epochs: int = option(1, "epochs over each rollout batch")
     kl_estimator: Literal["k1", "k2", "k3"] = option("k1", "KL estimator")
@@ -131,6 +132,7 @@ def test_dotted_overrides_win_over_the_file(tmp_path):
             "command line: unknown key '--ppo.clip_rato' in 'ppo' (did you mean 'clip_ratio'?)",
         ),
         (["--sed", "1"], "unknown key '--sed' (did you mean 'seed'?)"),
+        (["--ppo.clip", "0.1"], "command line: unknown key '--ppo.clip' in 'ppo': replaced by clip_ratio"),
         (["--seed.x", "1"], "'seed' is not a section"),
         (["--seed"], "--seed has no value"),
         (["seed", "1"], "expected --dotted.key VALUE"),
@@ -140,6 +142,12 @@ def test_dotted_overrides_win_over_the_file(tmp_path):
 def test_bad_overrides(tmp_path, argv, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(RunConfig, write(tmp_path, {}), argv)
+
+
+def test_a_retired_key_names_what_replaced_it(tmp_path):
+    message = "run.json: unknown key 'ppo.clip' in 'ppo': replaced by clip_ratio"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(RunConfig, write(tmp_path, {"ppo": {"clip": 0.1}}))
 
 
 def test_parse_overrides_values_are_json_or_strings():

@@ -209,10 +209,20 @@ def test_bf16_follows_the_deepspeed_config_unless_the_run_config_says():
         ({"critic": {"lora": {"rank": -1}}}, "critic.lora.rank"),
         ({"critic": {"lora": {"dropout": 1.0}}}, "critic.lora.dropout"),
         (
-            {"ppo": {"tis_cap": 2.0, "old_logprobs_from": "sampler"}},
-            "ppo.tis_cap corrects the gap between the sampler's and the actor's",
+            {"ppo": {"rollout_correction": {}, "old_logprobs_from": "sampler"}},
+            "ppo.rollout_correction corrects the gap between the sampler's and the actor's",
         ),
-        ({"ppo": {"tis_cap": 0.5}}, "ppo.tis_cap"),
+        (
+            {"ppo": {"tis_cap": 2.0}},
+            "unknown key 'ppo.tis_cap' in 'ppo': replaced by ppo.rollout_correction: tis_cap C is "
+            '{"level": "token", "mode": "truncate", "high": C}',
+        ),
+        ({"ppo": {"rollout_correction": {"high": 0.5}}}, "'ppo.rollout_correction.high' must be >= 1, got 0.5"),
+        (
+            {"ppo": {"rollout_correction": {"low": 0.5}}},
+            "ppo.rollout_correction: 'low' (0.5) bounds mode mask; mode truncate caps the ratio at 'high' only",
+        ),
+        ({"ppo": {"rollout_correction": {"level": "geometric"}}}, "'ppo.rollout_correction.level' must be one of"),
         ({"monitors": {"action": "rollback"}}, "monitors.action rollback returns to the last good evaluation"),
         ({"monitors": {"action": "pause"}}, "monitors.action"),
         (

@@ -83,7 +83,7 @@ def task(tmp_path_factory, rm_data, tiny_model_dir):
             "max_new_tokens": 12,
             "dynamic_sampling": True,
         },
-        "ppo": {"advantage_estimator": "rloo", "mini_batch_size": 16, "kl_coef": 0.05, "tis_cap": 2.0},
+        "ppo": {"advantage_estimator": "rloo", "mini_batch_size": 16, "kl_coef": 0.05, "rollout_correction": {}},
         "train": {"iterations": ITERATIONS, "seed": 1},
         "optim": {"lr": 5e-4, "warmup_ratio": 0.0, "lr_scheduler": "constant_with_warmup"},
         "checkpoint": {"every_steps": 2, "keep_last": 3},
@@ -120,9 +120,10 @@ def test_every_step_trains_a_full_batch_of_groups_with_signal_and_a_resume_repea
     # Every sample drawn scores higher than the batch trained on: the dropped "same" groups score 1.
     score, sampled = metric_series(run, "ppo/score"), metric_series(run, "ppo/sampled_score")
     assert all(sampled[s] > score[s] for s in steps), (sampled, score)
-    # RLOO with truncated importance sampling: the HF sampler is the fp32 actor, so the weights are 1 but
-    # for the groups that waited an update (sampled by the previous actor): none wait at step 1.
-    tis = metric_series(run, "ppo/tis_weight")
+    # RLOO with truncated importance weights (ppo.rollout_correction): the HF sampler is the fp32 actor, so
+    # the weights are 1 but for the groups that waited an update (sampled by the previous actor): none wait
+    # at step 1.
+    tis = metric_series(run, "ppo/is_weight")
     assert abs(tis[1] - 1.0) < 1e-3 and all(0 < w <= 2.0 for w in tis.values()), tis
     assert not any(k.startswith("ppo/vf_") for m in read_records(str(run / "metrics.jsonl")) for k in m)
     # What the step-2 checkpoint holds: the prompt position and the groups found beyond the batch.

@@ -19,6 +19,7 @@ from engine.ppo.engines import HybridEngine
 from engine.ppo.experience import OldLogprobSource, make_experience
 from engine.ppo.forwards import response_values
 from engine.ppo.rewards import RewardModelScorer, RewardScorer, SampledResponses
+from engine.ppo.rollout_correction import RolloutCorrection
 from engine.ppo.settings import ExperienceSettings, GaeSettings
 from engine.rollout.sampler import Sample
 from engine.run.micro_batches import micro_batches
@@ -154,10 +155,12 @@ def test_old_logprobs_from_the_sampler_skip_the_actor_forward(process_group, mod
     for i, s in enumerate(batch):  # no actor forward ran (actor=None): the sampler's log-probs, padded
         assert exp.old_logprobs[i, : len(s.logprobs)].tolist() == pytest.approx(s.logprobs)
     assert "sampler_logprob_gap" not in stats  # nothing to measure it against
-    assert torch.equal(exp.is_weights, exp.mask.float()) and "tis_weight" not in stats  # no ppo.tis_cap
+    assert torch.equal(exp.is_weights, exp.mask.float()) and "is_weight" not in stats  # no ppo.rollout_correction
 
 
-def test_truncated_importance_weights_compare_the_actor_with_the_sampler(process_group, models):
+def test_importance_weights_compare_the_actor_with_the_sampler(process_group, models):
+    """ppo.rollout_correction: token ratios truncated; then a sequence mask that drops exactly the
+    samples whose sampler log-probs are shifted (0.5 per token: a ratio e^(0.5 x length) > 2)."""
     actor, _critic, scorer, tokenizer = models
     batch = [
         Sample(s.prompt_ids, s.response_ids, [-1.0] * len(s.response_ids), True)
@@ -165,7 +168,10 @@ def test_truncated_importance_weights_compare_the_actor_with_the_sampler(process
     ]
     prompts = [Prompt([{"role": "user", "content": f"question {i}"}], {}) for i in range(len(batch))]
     settings = replace(
-        SETTINGS, gae=GaeSettings(gamma=1.0, lam=1.0, whiten=False), advantage_estimator="reinforce_pp", tis_cap=1.5
+        SETTINGS,
+        gae=GaeSettings(gamma=1.0, lam=1.0, whiten=False),
+        advantage_estimator="reinforce_pp",
+        rollout_correction=RolloutCorrection("token", "truncate", 1 / 1.5, 1.5),
     )
     exp, stats = make_experience(
         scored(batch, prompts, scorer, tokenizer),
@@ -179,8 +185,26 @@ def test_truncated_importance_weights_compare_the_actor_with_the_sampler(process
         max=1.5
     ) * exp.mask  # pi_actor / pi_sampler, the sampler's log-prob -1 each
     torch.testing.assert_close(exp.is_weights, want)
-    assert stats["tis_weight"] == pytest.approx(want[exp.mask].mean().item(), abs=1e-6)
-    assert stats["tis_truncated"] == pytest.approx((want[exp.mask] >= 1.5).float().mean().item())
+    assert stats["is_weight"] == pytest.approx(want[exp.mask].mean().item(), abs=1e-6)
+    assert stats["is_truncated_share"] == pytest.approx((want[exp.mask] >= 1.5).float().mean().item())
+
+    shifted = [False, True, False, True]  # responses of 8 and 6 tokens of 21
+    batch = [
+        replace(s, logprobs=(exp.old_logprobs[i, : len(s.response_ids)] - 0.5 * shifted[i]).tolist())
+        for i, s in enumerate(batch)
+    ]
+    masked, masked_stats = make_experience(
+        scored(batch, prompts, scorer, tokenizer),
+        engines(actor, None, scorer),
+        tokenizer.pad_token_id,
+        replace(settings, rollout_correction=RolloutCorrection("sequence", "mask", 0.5, 2.0)),
+        kl_coef=0.0,
+        old_logprobs_from_sampler=False,
+    )
+    weights = masked.is_weights[exp.mask].split(RESPONSE_LENS)
+    assert [bool(w.eq(0).all()) for w in weights] == shifted
+    assert all(torch.allclose(w, torch.ones_like(w), atol=1e-5) for w, off in zip(weights, shifted) if not off)
+    assert masked_stats["is_masked_share"] == pytest.approx(14 / 21)
 
 
 def test_old_logprob_source_checks_itself_and_turns_off_for_good():
@@ -205,7 +229,10 @@ def test_shared_prompts_give_the_experience_of_whole_sequences(process_group, mo
     for share in (False, True):
         monkeypatch.setattr(scorer.reward_model, "share_prompts", share)
         settings = replace(
-            SETTINGS, gae=GaeSettings(gamma=1.0, lam=0.95, whiten=True), share_prompts=share, tis_cap=2.0
+            SETTINGS,
+            gae=GaeSettings(gamma=1.0, lam=0.95, whiten=True),
+            share_prompts=share,
+            rollout_correction=RolloutCorrection("token", "truncate", 0.5, 2.0),
         )
         results.append(
             make_experience(

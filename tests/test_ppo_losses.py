@@ -23,7 +23,6 @@ from engine.ppo.losses import (
     masked_mean,
     rloo_advantages,
     token_rewards,
-    truncated_is_weights,
     whiten,
 )
 
@@ -239,11 +238,3 @@ def test_estimators_from_token_rewards_by_hand():
     gae_adv, gae_ret = estimate_advantages("gae", rewards, **common)
     assert torch.allclose(gae_ret, gae(rewards, common["values"], mask, 1.0, 0.95)[1])
     assert abs(gae_adv[mask].mean().item()) < 1e-6
-
-
-def test_truncated_importance_weights_by_hand():
-    trainer = torch.tensor([[-1.0, -2.0, -0.5]])
-    sampler = torch.tensor([[-1.0, -1.0, -2.0]])  # ratios 1, e^-1, e^1.5 ~ 4.48
-    torch.testing.assert_close(
-        truncated_is_weights(trainer, sampler, cap=2.0), torch.tensor([[1.0, math.exp(-1.0), 2.0]])
-    )

@@ -118,7 +118,7 @@ def test_each_setting_changes_its_term_of_the_actor_loss():
     torch.testing.assert_close(kl.per_token, base.per_token + 0.1 * kl.kl)
     bonus = actor_token_loss(logprobs, entropy, exp, replace(plain, entropy_coef=0.01))
     torch.testing.assert_close(bonus.per_token, base.per_token - 0.01 * entropy)
-    weights = torch.rand(exp.mask.shape) * 2.0 * exp.mask  # truncated importance weights (ppo.tis_cap)
+    weights = torch.rand(exp.mask.shape) * 2.0 * exp.mask  # importance weights (ppo.rollout_correction)
     tis = actor_token_loss(logprobs, entropy, replace(exp, is_weights=weights), replace(plain, kl_loss_coef=0.1))
     torch.testing.assert_close(
         tis.per_token, base.per_token * weights + 0.1 * kl.kl

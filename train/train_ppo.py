@@ -183,7 +183,7 @@ def main() -> int:
         return run.finish(end.code, str(end))
     except RewardsUnavailable as e:  # raised before an update or after a whole iteration: a step boundary
         return run.finish_with_checkpoint(2, f"reward error: {e}", "; continue with the same command plus --resume")
-    except WeightSyncFailed as e:  # read with a batch, before it is trained on: a step boundary
+    except WeightSyncFailed as e:  # async: read with a batch, before it is trained on; colocated: after the log
         return run.finish_with_checkpoint(2, f"weight sync error: {e}")
     save_hf_model(engines.actor, tokenizer, os.path.join(out, "actor"))
     return run.finish(0, f"{controls.summary()}; actor saved to {out}/actor")

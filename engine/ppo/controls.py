@@ -1,10 +1,12 @@
 """What a PPO run decides between iterations (:class:`IterationControls`): the KL coefficient, where the
-old log-probs come from, the guards (non-finite steps, the KL ceiling, rollback on a held-out drop), the
-reward-hacking monitors and their actions, the held-out evaluation's schedule, and the checkpoints."""
+old log-probs come from, the guards (non-finite steps, the KL ceiling, rollback on a held-out drop, the
+sampler's log-prob gap), the reward-hacking monitors and their actions, the held-out evaluation's
+schedule, and the checkpoints."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -13,6 +15,7 @@ from engine.ppo.experience import OldLogprobSource
 from engine.ppo.iteration import IterationResult, IterationSettings
 from engine.ppo.losses import AdaptiveKLController, FixedKLController
 from engine.ppo.monitors import HackingMonitor, MonitorLimits, act_on_flags
+from engine.rollout.remote import WeightSyncFailed
 from engine.run.guards import KLGuard, NonFiniteGuard, RollbackGuard
 
 if TYPE_CHECKING:
@@ -20,6 +23,35 @@ if TYPE_CHECKING:
     from engine.run_config import PPOConfig
 
 Evaluate = Callable[[], dict[str, float]]  # the held-out eval/* metrics of the policy now
+
+
+@dataclass(frozen=True)
+class SamplerGapLimit:
+    """The colocated counterpart of an async rollout's sync check (engine/rollout/remote.py): an
+    iteration's mean per-token |sampler - actor| log-prob gap (``ppo/sampler_logprob_gap``, agreed over
+    the ranks) above ``tolerance`` means the sampler does not compute the actor's model (a broken weight
+    sync), and the run stops (:class:`WeightSyncFailed`: a checkpoint, exit 2). ``tolerance`` None: no
+    limit; an async rollout's samples and dynamic sampling's waiting groups come from earlier weights, so
+    their gap also holds the updates since."""
+
+    tolerance: float | None
+
+    @classmethod
+    def from_config(cls, cfg: PPOConfig) -> SamplerGapLimit:
+        """``rollout.sync_check_tolerance`` when every sample comes from the weights of the last sync."""
+        rollout = cfg.rollout
+        current = rollout.mode == "colocated" and not rollout.dynamic_sampling
+        return cls(rollout.sync_check_tolerance if current else None)
+
+    def check(self, gap: float | None, iteration: int) -> None:
+        """Stop on 1-based ``iteration``'s ``gap`` (None: not measured, the old log-probs were the
+        sampler's) above the tolerance, or not a number."""
+        if self.tolerance is None or gap is None or gap <= self.tolerance:
+            return
+        raise WeightSyncFailed(
+            f"the sampler's log-probs of iteration {iteration}'s responses differ from the actor's by {gap:.3g} per "
+            f"token (rollout.sync_check_tolerance {self.tolerance:g}): the sampler does not compute the actor's model"
+        )
 
 
 class IterationControls:
@@ -40,6 +72,7 @@ class IterationControls:
         self.old_logprobs = OldLogprobSource(
             ppo.old_logprobs_from, ppo.sampler_check_every, ppo.sampler_logprob_tolerance
         )
+        self.sampler_gap = SamplerGapLimit.from_config(cfg)
         run.track("kl_controller", self.kl_ctl, rolls_back=True)
         for name, guard in (("nonfinite", self.nonfinite), ("kl_guard", self.kl_guard), ("monitor", self.monitor)):
             run.track(name, guard, rolls_back=False)
@@ -69,8 +102,9 @@ class IterationControls:
 
     def end_iteration(self, result: IterationResult) -> None:
         """After an iteration: the old log-probs' source and the KL coefficient updated, the KL guard, the
-        held-out evaluation when it is due, the log, then the monitors' action, a rollback on a held-out
-        drop, or the lifecycle's save decisions (a good evaluation is a rollback target)."""
+        held-out evaluation when it is due, the log, then a stop on the sampler's log-prob gap
+        (:class:`SamplerGapLimit`), the monitors' action, a rollback on a held-out drop, or the
+        lifecycle's save decisions (a good evaluation is a rollback target)."""
         cfg, run = self.cfg, self.run
         if message := self.old_logprobs.observe(result.sampler_logprob_gap):
             run.event("old_logprobs_from_actor", message, step=run.step + 1)
@@ -106,6 +140,7 @@ class IterationControls:
             it_s=f"{metrics['timing/iteration_s']:.2f}",
         )
         self.last = metrics
+        self.sampler_gap.check(result.sampler_logprob_gap, run.step)
         if act_on_flags(flags, self.monitor, run, cfg.monitors.action):
             return
         if evaluated and run.rolled_back(metrics["eval/reward"]):

@@ -15,8 +15,9 @@ import torch
 
 from engine.data.response_tokens import kl_penalty
 from engine.ppo.forwards import pad_right, sequence_logprobs, sequence_values
-from engine.ppo.losses import estimate_advantages, masked_mean, token_rewards, truncated_is_weights
+from engine.ppo.losses import estimate_advantages, masked_mean, token_rewards
 from engine.ppo.monitors import within_prompt_diversity
+from engine.ppo.rollout_correction import policy_loss_weights
 from engine.ppo.settings import ExperienceSettings
 
 if TYPE_CHECKING:
@@ -39,9 +40,7 @@ class Experience:
     returns: torch.Tensor  # (B, T)
     scores: torch.Tensor  # (B,) final sequence score (reward model + reward components + penalties)
     kl: torch.Tensor  # (B, T) per-token KL estimate vs the reference
-    is_weights: (
-        torch.Tensor
-    )  # (B, T) truncated importance weight of each token's policy loss (ones without ppo.tis_cap)
+    is_weights: torch.Tensor  # (B, T) weight of each token's policy loss (the mask without ppo.rollout_correction)
     rewards: torch.Tensor  # (B, T) token rewards: the score on the last token, minus the KL penalty on every token
 
     def select(self, rows: Sequence[int]) -> Experience:
@@ -98,8 +97,9 @@ def make_experience(
     advantages (:func:`engine.ppo.losses.estimate_advantages`; whitening over all ranks; the
     samples of a prompt, ``settings.group_size`` of them, are contiguous). ``old_logprobs_from_sampler``:
     the samples' own log-probs stand in for the actor's forward (:class:`OldLogprobSource`), and the
-    sampler-actor gap is not measured. ``settings.tis_cap``: weight each token's policy loss by
-    :func:`engine.ppo.losses.truncated_is_weights` of the actor's over the sampler's log-probs.
+    sampler-actor gap is not measured. ``settings.rollout_correction``: weight each token's policy loss by
+    the importance ratio of the actor's over the sampler's log-probs, truncated or masked
+    (engine/ppo/rollout_correction.py).
     ``settings.share_prompts``: the samples of a prompt compute it once in each forward (where the
     model's attention allows).
     ``settings.values_from_update``: no critic forward here; the first critic step computes the
@@ -146,9 +146,8 @@ def make_experience(
             grpo_std_scaling=settings.grpo_std_scaling,
         )
     )
-    tis_cap = settings.tis_cap
-    is_weights = (
-        truncated_is_weights(old_logprobs, sampler_logprobs, tis_cap) * mask if tis_cap else mask.float()
+    is_weights, correction_stats = policy_loss_weights(
+        settings.rollout_correction, old_logprobs, sampler_logprobs, mask
     )  # (B, T)
     exp = Experience(
         sequences,
@@ -173,6 +172,7 @@ def make_experience(
             [s.response_ids for s in samples], settings.group_size, settings.distinct_n
         ),
         **{k: v.mean().item() for k, v in rollout.parts.items()},
+        **correction_stats,
     }
     episodes = [s.episode for s in samples if s.episode is not None]
     if episodes:  # multi-turn: the policy's turns and the share of response tokens that are observations
@@ -180,9 +180,6 @@ def make_experience(
         stats["observation_share"] = 1 - mask.sum().item() / max(sum(len(s.response_ids) for s in samples), 1)
     if not old_logprobs_from_sampler:
         stats["sampler_logprob_gap"] = masked_mean((sampler_logprobs - old_logprobs).abs(), mask).item()
-    if tis_cap:
-        stats["tis_weight"] = masked_mean(is_weights, mask).item()
-        stats["tis_truncated"] = masked_mean((is_weights >= tis_cap).float(), mask).item()
     return exp, stats
 
 

@@ -162,14 +162,6 @@ def aggregation_weights(
     raise ValueError(f"unknown loss aggregation {aggregation!r}")
 
 
-def truncated_is_weights(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance sampling (TIS; Yao et al. 2025, "Your efficient RL framework secretly
-    brings you off-policy RL training"): the rollout came from the sampler, whose numerics (bf16,
-    other kernels) differ from the trainer's, so each token's policy loss is weighted by
-    min(pi_trainer / pi_sampler, cap), computed from the log-probs, (B, T)."""
-    return torch.exp((trainer_logprobs - sampler_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).clamp(max=cap)
-
-
 class PolicyLoss(NamedTuple):
     loss: torch.Tensor  # (B, T) per-token loss (aggregate with the mask)
     clipped: torch.Tensor  # (B, T) bool, True where the clip was active

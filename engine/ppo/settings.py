@@ -15,6 +15,7 @@ import torch
 
 from engine.models.loading import trains_as_it_evaluates
 from engine.ppo.losses import PolicyLoss, clipped_policy_loss, dual_clip_policy_loss, gspo_policy_loss
+from engine.ppo.rollout_correction import RolloutCorrection
 from engine.run_config import AdvantageEstimator, KLEstimator, LossAggregation, PPOConfig
 
 
@@ -81,7 +82,7 @@ class ExperienceSettings:
     gae: GaeSettings
     advantage_estimator: AdvantageEstimator = "gae"
     group_size: int = 1  # samples per prompt, contiguous in the rollout
-    tis_cap: float | None = None  # truncated importance weights of the policy loss (None: off)
+    rollout_correction: RolloutCorrection | None = None  # importance weights of the policy loss (None: off)
     share_prompts: bool = True  # the samples of a prompt compute it once in each forward
     values_from_update: bool = False  # no critic forward: the first critic step computes the values
     distinct_n: int = 2  # n of the rollout's distinct n-grams among a prompt's samples (a monitor)
@@ -98,7 +99,7 @@ class ExperienceSettings:
             gae=GaeSettings.from_config(cfg),
             advantage_estimator=cfg.ppo.advantage_estimator,
             group_size=cfg.rollout.samples_per_prompt,
-            tis_cap=cfg.ppo.tis_cap,
+            rollout_correction=RolloutCorrection.from_config(cfg.ppo.rollout_correction),
             share_prompts=cfg.ppo.share_prompt,
             values_from_update=values_from_update,
             distinct_n=cfg.monitors.distinct_n,

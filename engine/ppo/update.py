@@ -36,7 +36,7 @@ def actor_token_loss(
     logprobs: torch.Tensor, entropy: torch.Tensor, mb: Experience, settings: PolicyLossSettings
 ) -> ActorLoss:
     """Per-token actor loss: is_weight * policy surrogate [+ kl_loss_coef * KL(new || ref)] [- entropy_coef * entropy]
-    (``mb.is_weights``: truncated importance weights, ones unless ppo.tis_cap)."""
+    (``mb.is_weights``: the rollout correction's importance weights, ones without ppo.rollout_correction)."""
     pg = settings.policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.mask)
     per_token = pg.loss * mb.is_weights
     per_token = per_token - settings.entropy_coef * entropy if settings.entropy_coef else per_token

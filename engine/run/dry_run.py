@@ -34,6 +34,7 @@ from engine.run.memory_budget import (
     vllm_memory,
     vllm_sleeps,
 )
+from engine.run_config.rollout_correction import RolloutCorrectionSection
 
 
 def length_stats(lengths: Sequence[int]) -> str:
@@ -259,7 +260,8 @@ def ppo_plan(
 
 
 def objective_terms(cfg) -> str:
-    """The policy objective, in words: advantages, ratio and clip, aggregation, KL, dynamic sampling."""
+    """The policy objective, in words: advantages, ratio and clip, rollout correction, aggregation, KL,
+    dynamic sampling."""
     p = cfg.ppo
     dr_grpo = p.advantage_estimator == "grpo" and not p.grpo_std_scaling
     advantages = p.advantage_estimator + (" without std scaling (Dr. GRPO)" if dr_grpo else "")
@@ -269,6 +271,7 @@ def objective_terms(cfg) -> str:
     return (
         f"{advantages} advantages; {p.importance_ratio} ratios clipped at {clip}"
         + (f", dual clip {p.clip_ratio_c:g}" if p.clip_ratio_c else "")
+        + correction_terms(p.rollout_correction)
         + f"; {p.loss_aggregation}"
         + (", truncated responses masked" if p.mask_truncated else "")
         + f"; KL {' and '.join(kl) or 'none'}"
@@ -278,6 +281,15 @@ def objective_terms(cfg) -> str:
             else ""
         )
     )
+
+
+def correction_terms(correction: RolloutCorrectionSection | None) -> str:
+    """``ppo.rollout_correction`` in words, after a '; ' ('' without one)."""
+    if correction is None:
+        return ""
+    low, high = correction.bounds()
+    band = f"truncated at {high:g}" if correction.mode == "truncate" else f"masked outside [{low:g}, {high:g}]"
+    return f"; {correction.level} importance weights pi_actor / pi_sampler {band}"
 
 
 def score_terms(cfg) -> str:

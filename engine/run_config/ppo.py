@@ -3,7 +3,7 @@ and monitor sections, and the cross-field rules between them."""
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import ClassVar, Literal, NamedTuple
 
 from engine.config import Config, ConfigError, DeepSpeedDict, option, required, section
 from engine.run_config.common import (
@@ -19,6 +19,7 @@ from engine.run_config.common import (
 from engine.run_config.environment import EnvironmentSection
 from engine.run_config.monitors import JudgeSection, MonitorSection
 from engine.run_config.rewards import RewardModelSection, RewardsSection
+from engine.run_config.rollout_correction import RolloutCorrectionSection
 
 # The names PPO's formulas take (engine/ppo/losses.py), defined once here where the config offers them.
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -99,8 +100,10 @@ class RolloutSection(Config):
     )
     sync_check_tolerance: float = option(
         0.01,
-        "with mode async: the largest mean per-token |vLLM - actor| log-prob gap of that check; above it the run stops "
-        "(checkpoint, exit 2). fp32 gaps are ~1e-7, bf16 ~1e-3; a head left stale by a broken sync measured 0.12",
+        "the largest mean per-token |sampler - actor| log-prob gap: of that check with mode async; colocated, of each "
+        "iteration's ppo/sampler_logprob_gap (not with dynamic_sampling: its waiting groups are an update behind). "
+        "Above it the run stops (checkpoint, exit 2). fp32 gaps are ~1e-7, bf16 ~1e-3; a head left stale by a broken "
+        "sync measured 0.12",
         gt=0,
     )
 
@@ -133,6 +136,10 @@ class RolloutSection(Config):
 
 
 class PPOSection(Config):
+    retired_keys: ClassVar[dict[str, str]] = {
+        "tis_cap": 'replaced by ppo.rollout_correction: tis_cap C is {"level": "token", "mode": "truncate", "high": C}'
+    }
+
     ppo_epochs: int = option(1, "passes over each rollout batch", ge=1)
     mini_batch_size: int = option(16, "samples per optimizer step, over all ranks", ge=1)
     max_tokens_per_micro_batch: int = option(2048, "token budget of one packed forward on one rank", ge=2)
@@ -203,11 +210,11 @@ class PPOSection(Config):
         "compute a prompt once for all its samples (samples_per_prompt) in the experience and training forwards "
         "(exact; used with attention sdpa_varlen, the default on CPUs and on GPUs without flash-attn)",
     )
-    tis_cap: float | None = option(
+    rollout_correction: RolloutCorrectionSection | None = option(
         None,
-        "truncated importance sampling: weight each token's policy loss by min(pi_actor / pi_sampler, tis_cap), for a "
-        "sampler whose numerics differ from the trainer's (bf16, GPU kernels); e.g. 2.0 (None: off)",
-        ge=1,
+        "importance weights pi_actor / pi_sampler on the policy loss, for a sampler whose numerics differ from the "
+        "trainer's (bf16, GPU kernels) or whose weights are behind (rollout.mode async); e.g. {} for token ratios "
+        "truncated at 2 (None: off)",
     )
     sampler_check_every: int = option(
         10, "with old_logprobs_from sampler: compute both every N iterations (the first included)", ge=1
@@ -314,15 +321,16 @@ class PPOConfig(Config):
                 f"critic.warmup_iterations needs a critic, and ppo.advantage_estimator {estimator} has none: "
                 "set it to 0"
             )
-        if self.ppo.tis_cap is not None and self.ppo.old_logprobs_from == "sampler":
+        if self.ppo.rollout_correction is not None and self.ppo.old_logprobs_from == "sampler":
             raise ConfigError(
-                "ppo.tis_cap corrects the gap between the sampler's and the actor's log-probs; with "
-                "ppo.old_logprobs_from sampler the old log-probs are the sampler's and every weight is 1: drop one"
+                "ppo.rollout_correction corrects the gap between the sampler's and the actor's log-probs; with "
+                "ppo.old_logprobs_from sampler the old log-probs are the sampler's and every ratio is 1: drop one"
             )
         if self.ppo.old_logprobs_from == "sampler" and self.rollout.mode == "async" and self.rollout.max_staleness:
             raise ConfigError(
                 "ppo.old_logprobs_from sampler takes the behaviour policy's log-probs as PPO's; with rollout.mode "
-                "async the sampler is up to rollout.max_staleness updates behind: set actor (ppo.tis_cap corrects)"
+                "async the sampler is up to rollout.max_staleness updates behind: set actor "
+                "(ppo.rollout_correction corrects)"
             )
         if self.ppo.old_logprobs_from == "sampler" and self.actor.bf16:
             raise ConfigError(
