@@ -28,7 +28,7 @@ from engine.run.distributed import SplitWorld
 from engine.run.dry_run import ppo_plan
 from engine.run.preflight import load_tokenizer
 from engine.run_config import PPOConfig
-from engine.run_config.ppo import RolloutSection
+from engine.run_config.rollout import RolloutSection
 
 DETERMINISTIC = ("ppo/score", "ppo/kl", "ppo/pg_loss", "ppo/vf_loss", "ppo/response_length", "eval/reward")
 ITERATIONS = 3

@@ -6,6 +6,7 @@ environment's calls; GAE and token rewards across observations."""
 
 from __future__ import annotations
 
+import json
 import textwrap
 import time
 
@@ -171,10 +172,13 @@ def test_tool_calls_are_run_and_malformed_ones_answered():
     )
     assert not done and observation.splitlines() == [
         'error: not a tool call {"name": ..., "arguments": {...}}: {oops',
-        "error: no tool 'search'; the tools: calculator",
+        "error: no tool 'search'; the tools: calculator, python",
         "error: calculator: '__import__('os')' is not arithmetic on numbers",
     ]
     assert tools.step(call % "2 ** 1000")[0] == "error: calculator: exponent 1000 is above 64"
+    program = '<tool_call>{"name": "python", "arguments": {"code": %s}}</tool_call>'
+    observation, _, _ = tools.step(program % json.dumps("print(6 * 7)") + program % json.dumps("print(1 / 0)"))
+    assert observation.splitlines() == ["42", "error: python: error: ZeroDivisionError: division by zero"]
 
 
 def test_gae_and_token_rewards_step_over_observations():

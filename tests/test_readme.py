@@ -55,6 +55,7 @@ DOCS_ORDER = [
     "dpo.md",
     "rewards.md",
     "sandbox.md",
+    "multi-turn.md",
     "lora.md",
     "multi-node.md",
     "gpu.md",

@@ -4,8 +4,10 @@
 turn without a call ends the episode. A malformed call is answered with an observation saying what
 is wrong, never an exception.
 
-Built-in tool: ``calculator`` (``{"expression": "12 * (3 + 4)"}``): arithmetic on numbers with
-``+ - * / // % **`` and parentheses, evaluated from its syntax tree (no ``eval``).
+Built-in tools: ``calculator`` (``{"expression": "12 * (3 + 4)"}``): arithmetic on numbers with
+``+ - * / // % **`` and parentheses, evaluated from its syntax tree (no ``eval``); ``python``
+(``{"code": "print(2 ** 10)"}``): a program run in the code sandbox (engine/rewards/sandbox.py,
+refused where it cannot isolate), whose output is the result.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from engine.environments.environment import Environment
+from engine.rewards.sandbox import SandboxLimits, UnisolatedError, run_program
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _OPERATORS: dict[type, Callable[..., Any]] = {
@@ -53,10 +56,26 @@ def calculator(expression: str) -> str:
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
+PYTHON_LIMITS = SandboxLimits(cpu_s=5, wall_s=10.0, memory_mb=512, output_kb=64)
+MAX_RESULT_CHARS = 2000
+
+
+def python(code: str) -> str:
+    """What ``code`` printed, run in the sandbox within :data:`PYTHON_LIMITS`; or how it failed."""
+    try:
+        run = run_program(code, limits=PYTHON_LIMITS)
+    except UnisolatedError:
+        return "error: python: the code sandbox cannot isolate code on this machine, so this tool is off"
+    if run.status != "ok":
+        last = (run.stderr.strip().splitlines() or [run.status])[-1]
+        return f"error: python: {run.status}: {last}"[:MAX_RESULT_CHARS]
+    return run.stdout[:MAX_RESULT_CHARS].rstrip("\n")
+
+
 class ToolEnvironment(Environment):
     """Runs the turn's tool calls; their results, one per line, are the observation."""
 
-    tools: ClassVar[dict[str, Callable[..., str]]] = {"calculator": calculator}
+    tools: ClassVar[dict[str, Callable[..., str]]] = {"calculator": calculator, "python": python}
 
     def step(self, text: str) -> tuple[str | None, float | None, bool]:
         calls = TOOL_CALL.findall(text)

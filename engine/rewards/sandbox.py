@@ -103,6 +103,21 @@ def run_tests(
     return SandboxResult(passed=sum(passed), total=len(tests), status=status, stderr=stderr)
 
 
+class ProgramRun(NamedTuple):
+    stdout: str
+    stderr: str  # its tail
+    status: str  # as SandboxResult's
+
+
+def run_program(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits()) -> ProgramRun:
+    """Run ``code`` as a program reading ``stdin`` (a tool's call): what it printed, within ``limits``.
+    :class:`UnisolatedError` where no namespaces can be made: a tool has no key to accept that."""
+    mode = checked_isolation(allow_unisolated=False)
+    run = _run_once(mode, "program", code, [], stdin, limits, time.monotonic() + limits.wall_s)
+    stderr = run.stderr[-2000:].decode(errors="replace")
+    return ProgramRun(run.stdout.decode(errors="replace"), stderr, run.status)
+
+
 def checked_isolation(allow_unisolated: bool) -> str:
     """:func:`isolation`, where "none" is refused (:class:`UnisolatedError`, saying what it exposes)
     unless ``allow_unisolated``."""
