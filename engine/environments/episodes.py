@@ -84,6 +84,7 @@ class _Episode:
     reward: float | None = None
     reply: Any = None  # the environment's last reply
     failure: Outcome | None = None
+    open: bool = False  # its environment holds it: reset, and not yet done
 
     def add_turn(self, sample: Sample, limit: int) -> None:
         """Append the policy's turn, cut where the response reaches ``limit`` tokens."""
@@ -147,56 +148,49 @@ class EpisodeRunner:
             episodes, "reset", [[self.section.name, e.key, r.messages, f] for e, r, f in zip(episodes, rows, fields)]
         )
         active = [e for e in episodes if e.failure is None]
+        for e in active:
+            e.open = True
         for turn in range(1, self.section.max_turns + 1):
             texts = [self.tokenizer.decode(e.last_turn(), skip_special_tokens=True) for e in active]
             self._call(active, "step", [[e.key, text] for e, text in zip(active, texts)])
-            going, ended = [], []
-            for e in active:
-                if e.failure is not None:
-                    continue
+            going = []
+            for e in (e for e in active if e.failure is None):
                 observation, reward, done = e.reply
                 e.reward = e.reward if reward is None else (e.reward or 0.0) + reward
-                appended = (
-                    []
-                    if observation is None
-                    else self.template.ids(self.tokenizer, observation, self.section.max_observation_tokens)
-                )
-                if done:
+                e.open = not done
+                if done or observation is None or not e.finished or turn == self.section.max_turns:
                     continue
-                if (
-                    observation is None
-                    or not e.finished
-                    or turn == self.section.max_turns
-                    or len(e.response) + len(appended) >= limit
-                ):
-                    ended.append(e)  # over for the policy, not for the environment: it is told to forget it
-                    continue
-                e.add_observation(appended)
-                going.append(e)
-            self._call(ended, "close", [[e.key] for e in ended])
+                appended = self.template.ids(self.tokenizer, observation, self.section.max_observation_tokens)
+                if len(e.response) + len(appended) < limit:  # room for the observation and a turn
+                    e.add_observation(appended)
+                    going.append(e)
             if not going:
                 break
-            settings = SamplingSettings(
-                1, sampling.temperature, sampling.top_p, max(limit - len(e.response) for e in going)
+            room = max(limit - len(e.response) for e in going)
+            turns = sampler.generate(
+                [e.prompt + e.response for e in going],
+                SamplingSettings(1, sampling.temperature, sampling.top_p, room),
+                seed + turn * TURN_SEED,
             )
-            turns = sampler.generate([e.prompt + e.response for e in going], settings, seed + turn * TURN_SEED)
             for e, group in zip(going, turns):
                 e.add_turn(group[0], limit)
             active = going
+        left = [e for e in episodes if e.open]  # over for the policy, not for the environment: forgotten
+        self.pool.run(self._calls("close", [[e.key] for e in left]), [e.slot for e in left])
         samples = iter([e.sample() for e in episodes])
         return [[next(samples) for _ in group] for group in groups]
 
     def _call(self, episodes: Sequence[_Episode], function: str, args: Sequence[list[Any]]) -> None:
         """Call ``function`` of engine/environments/environment.py for each episode, in its worker: its
         ``reply``, or its ``failure``."""
-        if not episodes:
-            return
-        name = f"{FUNCTIONS}:{function}"
-        calls = [Call(name, a, timeout_s=self.section.timeout_s, structured=True) for a in args]
-        for e, outcome in zip(episodes, self.pool.run(calls, [e.slot for e in episodes])):
+        for e, outcome in zip(episodes, self.pool.run(self._calls(function, args), [e.slot for e in episodes])):
             if outcome.error is not None:
                 e.failure = outcome
             e.reply = outcome.value
+
+    def _calls(self, function: str, args: Sequence[list[Any]]) -> list[Call]:
+        name = f"{FUNCTIONS}:{function}"
+        return [Call(name, a, timeout_s=self.section.timeout_s, structured=True) for a in args]
 
     def close(self) -> None:
         self.pool.close()
@@ -205,12 +199,9 @@ class EpisodeRunner:
 def episode_scores(samples: Sequence[Sample], fallback: float) -> ComponentScores:
     """The component ``environment``: each episode's summed rewards (0 when its environment gave none,
     ``fallback`` where it failed, counted as an error or a timeout)."""
-    outcomes = [s.episode for s in samples]
-    failed = [o for o in outcomes if o is not None and o.error is not None]
-    values = [
-        fallback if o is not None and o.error is not None else (o.reward or 0.0) if o is not None else 0.0
-        for o in outcomes
-    ]
+    outcomes = [s.episode or EpisodeOutcome(None, 1) for s in samples]
+    failed = [o for o in outcomes if o.error is not None]
+    values = [fallback if o.error is not None else o.reward or 0.0 for o in outcomes]
     return ComponentScores(
         torch.tensor(values, dtype=torch.float32),
         errors=sum(not o.timed_out for o in failed),

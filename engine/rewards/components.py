@@ -74,10 +74,6 @@ class RewardComponents:
         self.pool = RewardPool(rewards.workers, modules, rewards.import_timeout_s) if self.in_pool else None
         self.isolation: str | None = None  # the code sandbox's mode (with ``code``), once :meth:`check` probed it
 
-    @property
-    def names(self) -> list[str]:
-        return list(self.weights)
-
     def check(self, key: str = "rewards") -> None:
         """Before any model loads: the code sandbox isolates the code (or ``code.allow_unisolated``
         accepts that it cannot); the workers imported every component's modules, each function takes
