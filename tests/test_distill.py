@@ -1,7 +1,8 @@
-"""On-policy distillation (the ``distill`` section of train/train_ppo.py) end to end on the tiny model:
-the teacher refused by name before any model loads, the dry run's teacher, and one run whose teacher
-is the student itself, resumed. (The formulas: tests/test_distill_losses.py; the teacher's chunked
-head: tests/test_lm_head.py.)"""
+"""On-policy distillation (the ``distill`` section of train/train_ppo.py): the teacher's log-probs and
+top-k of a rollout and the actor's GKD term against naive whole-sequence forwards
+(engine/ppo/distill.py, engine/ppo/update.py); end to end on the tiny model, the teacher refused by
+name before any model loads, the dry run's teacher, and one run whose teacher is the student itself,
+resumed. (The formulas: tests/test_distill_losses.py; the chunked head: tests/test_lm_head.py.)"""
 
 from __future__ import annotations
 
@@ -13,7 +14,16 @@ from helpers import assert_repeats, launch, metric_series, run_script, write_ppo
 from safetensors.torch import load_file
 
 from data_prep import make_tiny_model
+from engine.data.packing import pack_sequences
+from engine.models.loading import load_causal_lm
 from engine.observe.records import read_records
+from engine.ppo.distill import DistillSettings, teacher_logprobs
+from engine.ppo.distill_losses import top_k_jsd
+from engine.ppo.experience import Experience
+from engine.ppo.forwards import pad_right
+from engine.ppo.losses import PolicyLoss
+from engine.ppo.settings import PolicyLossSettings, UpdateSettings
+from engine.ppo.update import actor_forward, actor_token_loss
 
 ITERATIONS, EVERY = 4, 2
 
@@ -97,3 +107,59 @@ def test_the_student_as_its_own_teacher_learns_nothing_logs_distillation_and_res
     for key in ("distill/teacher_logprob", "distill/reverse_kl", "ppo/response_length", "ppo/entropy"):
         assert_repeats(metric_series(resumed, key), metric_series(run, key), range(3, ITERATIONS + 1), key)
     assert_repeats(metric_series(resumed, "eval/distill/reverse_kl"), held_out)
+
+
+def test_teacher_top_k_and_the_gkd_term_equal_naive_whole_sequence_forwards(
+    process_group, tiny_model_dir, tied_tiny_model_dir
+):
+    """Four sequences packed two micro-batches at a time (shared prompts among them): the teacher's
+    log-probs, top-k log-probs and ids per response token, and the actor's log-probs of those ids in
+    the update's forward, with their JSD term in the loss, equal each sequence's own forward."""
+    teacher, student = load_causal_lm(str(tied_tiny_model_dir)).eval(), load_causal_lm(str(tiny_model_dir)).eval()
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(4, student.config.vocab_size, (n,), generator=g).tolist()
+    shared = ids(5)
+    prompts, responses = [shared, shared, ids(3), ids(8)], [ids(n) for n in (6, 2, 7, 4)]
+    sequences, prompt_lens = [p + r for p, r in zip(prompts, responses)], [len(p) for p in prompts]
+    T, t, k, vocab = 7, 0.7, 5, student.config.vocab_size - 10  # the teacher ranks the first vocab ids only
+    settings = DistillSettings("gkd", coef=2.0, beta=0.3, top_k=k, vocab=vocab)
+    got = teacher_logprobs(
+        teacher, sequences, prompt_lens, settings, T, max_tokens=24, pad_token_id=0, share_prompts=True, temperature=t
+    )
+    assert got.top_logprobs is not None and got.top_ids is not None
+    assert got.top_ids.shape == (4, T, k) and got.top_ids.max() < vocab
+
+    def naive(model, i):  # (R, V) the tempered log-distribution at each response position of sequence i
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([sequences[i]]), use_cache=False).logits[0].float()
+        return torch.log_softmax(logits / t, -1)[prompt_lens[i] - 1 : -1]
+
+    for i, r in enumerate(responses):
+        want = naive(teacher, i)
+        top = want[:, :vocab].topk(k, dim=-1)
+        torch.testing.assert_close(
+            got.logprobs[i, : len(r)], want.gather(-1, torch.tensor(r)[:, None])[:, 0], atol=1e-5, rtol=0
+        )
+        torch.testing.assert_close(got.top_logprobs[i, : len(r)], top.values, atol=1e-5, rtol=0)
+        assert torch.equal(got.top_ids[i, : len(r)], top.indices) and got.logprobs[i, len(r) :].eq(0).all()
+
+    mask = pad_right([torch.ones(len(r), dtype=torch.bool) for r in responses], T)
+    zeros = torch.zeros(4, T)
+    mb = Experience(
+        sequences, prompt_lens, mask, zeros, zeros, zeros, zeros, zeros, torch.zeros(4), zeros, mask.float(), zeros, got
+    )
+    policy = PolicyLossSettings(clip_low=0.2, clip_high=0.2, clip_ratio_c=None, kl_loss_coef=0.0, kl_estimator="k3",
+                                entropy_coef=0.0, distill=settings)  # fmt: skip
+    update = UpdateSettings(policy, torch.ones(1), 0.2, 1, 4, 24, 0, 0, share_prompts=False, temperature=t)
+    packed = pack_sequences(sequences, pad_token_id=0)
+    with torch.no_grad():
+        logprobs, _, student_top = actor_forward(student, packed, mb, update)
+        loss = actor_token_loss(logprobs, zeros, mb, policy, student_top)
+    assert student_top is not None and loss.jsd is not None
+    for i, r in enumerate(responses):
+        torch.testing.assert_close(
+            student_top[i, : len(r)], naive(student, i).gather(-1, got.top_ids[i, : len(r)]), atol=1e-5, rtol=0
+        )
+    jsd = top_k_jsd(student_top, got.top_logprobs, 0.3, mask)
+    assert (jsd[mask] > 0).all() and torch.equal(loss.jsd, jsd)
+    assert isinstance(loss.pg, PolicyLoss) and torch.allclose(loss.per_token, loss.pg.loss + 2.0 * jsd)
