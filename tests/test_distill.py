@@ -8,22 +8,28 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
+import pytest
 import torch
 from helpers import assert_repeats, launch, metric_series, run_script, write_ppo_config
 from safetensors.torch import load_file
 
 from data_prep import make_tiny_model
 from engine.data.packing import pack_sequences
+from engine.data.prompts import Prompt
 from engine.models.loading import load_causal_lm
 from engine.observe.records import read_records
+from engine.ppo.collect import Rollout
 from engine.ppo.distill import DistillSettings, teacher_logprobs
-from engine.ppo.distill_losses import top_k_jsd
-from engine.ppo.experience import Experience
+from engine.ppo.distill_losses import reverse_kl_advantages, top_k_jsd
+from engine.ppo.engines import HybridEngine
+from engine.ppo.experience import Experience, make_experience
 from engine.ppo.forwards import pad_right
 from engine.ppo.losses import PolicyLoss
-from engine.ppo.settings import PolicyLossSettings, UpdateSettings
+from engine.ppo.settings import ExperienceSettings, GaeSettings, PolicyLossSettings, UpdateSettings
 from engine.ppo.update import actor_forward, actor_token_loss
+from engine.rollout.sampler import Sample
 
 ITERATIONS, EVERY = 4, 2
 
@@ -163,3 +169,33 @@ def test_teacher_top_k_and_the_gkd_term_equal_naive_whole_sequence_forwards(
     jsd = top_k_jsd(student_top, got.top_logprobs, 0.3, mask)
     assert (jsd[mask] > 0).all() and torch.equal(loss.jsd, jsd)
     assert isinstance(loss.pg, PolicyLoss) and torch.allclose(loss.per_token, loss.pg.loss + 2.0 * jsd)
+
+
+def test_reverse_kl_mode_adds_each_tokens_advantage_to_the_estimators(
+    process_group, tiny_model_dir, tied_tiny_model_dir
+):
+    """make_experience with a reverse_kl teacher: the GRPO advantages of the same rollout plus
+    -coef x (log pi_old - log pi_teacher) at each sampled token, and the rollout's distill/* means."""
+    teacher, student = load_causal_lm(str(tied_tiny_model_dir)).eval(), load_causal_lm(str(tiny_model_dir)).eval()
+    g = torch.Generator().manual_seed(1)
+    ids = lambda n: torch.randint(4, student.config.vocab_size, (n,), generator=g).tolist()
+    prompts = [ids(4), ids(6)]
+    samples = [Sample(p, ids(n), [0.0] * n, finished=True) for p in prompts for n in (3, 5)]  # 2 prompts x 2
+    rollout = Rollout(samples, [Prompt([], {})] * 4, torch.tensor([1.0, 0.0, 0.5, 0.5]), {})
+    engines = HybridEngine(student, None, student, None, None, None, teacher)
+    settings = ExperienceSettings(
+        max_tokens=64, value_weights=torch.ones(1), kl_estimator="k1", gae=GaeSettings(1.0, 1.0, False),
+        advantage_estimator="grpo", group_size=2, temperature=0.7,
+    )  # fmt: skip
+    distill = DistillSettings("reverse_kl", coef=0.5, beta=0.5, top_k=4, vocab=student.config.vocab_size)
+    make = lambda s: make_experience(rollout, engines, 0, s, kl_coef=0.0, old_logprobs_from_sampler=False)
+    (plain, plain_stats), (taught, stats) = make(settings), make(replace(settings, distill=distill))
+    assert plain.teacher is None and taught.teacher is not None and taught.teacher.top_ids is None
+    extra = reverse_kl_advantages(taught.old_logprobs, taught.teacher.logprobs, taught.mask, 0.5)
+    assert extra[taught.mask].abs().min() > 0  # the teacher is another model: every token's term counts
+    torch.testing.assert_close(taught.advantages, plain.advantages + extra, atol=1e-6, rtol=0)
+    mask = taught.mask
+    log_ratio = (taught.old_logprobs - taught.teacher.logprobs)[mask]
+    assert stats["distill/reverse_kl"] == pytest.approx(log_ratio.mean().item(), rel=1e-5)
+    assert stats["distill/teacher_logprob"] == pytest.approx(taught.teacher.logprobs[mask].mean().item(), rel=1e-5)
+    assert not any(k.startswith("distill/") for k in plain_stats)

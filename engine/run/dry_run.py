@@ -234,7 +234,8 @@ def ppo_plan(
             f"{frozen_memory(total, ds_config, trainers, cfg.actor.bf16)} saved)"
         )
     if cfg.reward_model is None:
-        print("  reward model none: the score is the rewards section's components")
+        scored = cfg.rewards.weights() or r.environment
+        print("  reward model none: " + ("the score is the rewards section's components" if scored else "no reward"))
     if r.sampler == "vllm":
         print(f"  vLLM sampler: {vllm_memory(cfg, world)}")
     sampler = vllm_bytes(cfg, device_gib) if r.sampler == "vllm" else 0.0
