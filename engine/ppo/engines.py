@@ -1,4 +1,4 @@
-"""The models of a PPO run: four DeepSpeed engines in one process group
+"""The models of a PPO run: its DeepSpeed engines in one process group
 (:func:`build_hybrid_engine`), and the sampler built after them (:func:`build_sampler`).
 
 Which models a run has, and where the critic starts, is the config's to say
@@ -74,7 +74,7 @@ def build_hybrid_engine(cfg: PPOConfig, ds_config: dict) -> HybridEngine:
         load_partitioned(partial(load_causal_lm, cfg.distill.teacher, **model_kw), ds_config)[0]
         if cfg.distill is not None
         else None
-    )  # a LoRA actor's teacher is a model of its own too: its adapters-off view is the reference
+    )  # a model of its own, with a LoRA actor too (whose reference is the actor with its adapters off)
     critic: PreTrainedModel | PeftModel | None = None
     if cfg.has_critic():
         source = cfg.critic_source()
