@@ -16,6 +16,7 @@ from helpers import assert_repeats, launch, metric_series, run_script, write_ppo
 from safetensors.torch import load_file
 
 from data_prep import make_tiny_model
+from engine.config import ConfigError, load_config
 from engine.data.packing import pack_sequences
 from engine.data.prompts import Prompt
 from engine.models.loading import load_causal_lm
@@ -30,6 +31,7 @@ from engine.ppo.losses import PolicyLoss
 from engine.ppo.settings import ExperienceSettings, GaeSettings, PolicyLossSettings, UpdateSettings
 from engine.ppo.update import actor_forward, actor_token_loss
 from engine.rollout.sampler import Sample
+from engine.run_config import PPOConfig
 
 ITERATIONS, EVERY = 4, 2
 
@@ -74,6 +76,10 @@ def test_a_teacher_is_refused_by_name_before_any_model_loads(tiny_model_dir, rm_
     refused = run_script("train_ppo.py", config, "--distill.mode", "gkd", "--distill.lmbda", "0.5")
     assert refused.returncode == 2 and "distill: 'lmbda' (0.5): only 1 is supported" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+    with pytest.raises(ConfigError, match=r"distill: 'beta', 'top_k': mode gkd's; mode reverse_kl reads none"):
+        load_config(PPOConfig, str(config), ["--distill.beta", "0.3", "--distill.top_k", "8"])
+    assert load_config(PPOConfig, str(config), ["--distill.mode", "gkd", "--distill.beta", "0.3"]).distill
 
     plan = run_script("train_ppo.py", config, "--dry-run")
     assert plan.returncode == 0, plan.stderr[-2000:]

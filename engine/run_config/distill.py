@@ -37,6 +37,9 @@ class DistillSection(Config):
     )
 
     def check(self) -> None:
+        unread = sorted(self.model_fields_set & {"beta", "lmbda", "top_k"}) if self.mode == "reverse_kl" else []
+        if unread:
+            raise ConfigError(f"{', '.join(map(repr, unread))}: mode gkd's; mode reverse_kl reads none of them")
         if self.lmbda != 1:
             raise ConfigError(
                 f"'lmbda' ({self.lmbda:g}): only 1 is supported, every sequence sampled by the actor (on-policy); "
