@@ -76,3 +76,40 @@ def test_chunked_head_equals_the_whole_matrix_with_gradients(tied, lora, monkeyp
     with torch.no_grad():  # no gradient: no recomputation, the same values; log-probs alone
         logp, entropy = lm_head.token_logprobs(model, packed, positions, targets)
     assert entropy is None and torch.equal(logp, chunked[0])
+
+
+def test_teacher_top_k_and_student_log_probs_of_those_tokens_equal_the_whole_matrix():
+    """Distillation's two head passes (engine/data/lm_head.py): a frozen teacher's top-k log-probs
+    and ids among the student's vocabulary, and the student's differentiable log-probs of those ids,
+    computed in chunks, equal the whole matrix's at a sampling temperature."""
+    teacher, student = tiny_llama(tied=False), tiny_llama(tied=True)
+    g = torch.Generator().manual_seed(2)
+    packed = pack_sequences([torch.randint(0, 300, (n,), generator=g).tolist() for n in (9, 14, 5)], pad_token_id=0)
+    positions = torch.cat([torch.arange(s, s + n - 1) for s, n in zip(packed.starts, packed.seq_lens)])  # (K,)
+    targets, t, k, vocab = packed.input_ids[0, positions + 1], 0.7, 6, 250  # the top-k among the first 250 ids
+    with torch.no_grad():
+        head, hidden = lm_head.head_inputs(teacher, packed, positions)
+        logprobs, top, ids = lm_head.head_top_k(head, hidden, targets, k, vocab, chunk=5, temperature=t)
+        whole = torch.log_softmax(packed_forward(teacher, packed, logits_positions=positions)[0] / t, -1)  # (K, V)
+    expected = whole[:, :vocab].topk(k, dim=-1)
+    torch.testing.assert_close(top, expected.values, atol=1e-6, rtol=0)
+    assert torch.equal(ids, expected.indices) and ids.max() < vocab
+    torch.testing.assert_close(logprobs, whole.gather(-1, targets[:, None]).squeeze(-1), atol=1e-6, rtol=0)
+
+    weights = torch.randn(len(positions), k, generator=g)
+
+    def gradient(compute):
+        student.zero_grad()
+        values = compute()
+        (weights * values).sum().backward()
+        return values.detach(), {n: p.grad.clone() for n, p in student.named_parameters()}
+
+    chunked = gradient(
+        lambda: lm_head.head_logprobs_at(*lm_head.head_inputs(student, packed, positions), ids, chunk=5, temperature=t)
+    )
+    logits = lambda: packed_forward(student, packed, logits_positions=positions)[0]  # (K, V)
+    naive = gradient(lambda: torch.log_softmax(logits() / t, -1).gather(-1, ids))
+    torch.testing.assert_close(chunked[0], naive[0], atol=1e-6, rtol=0)
+    for name, grad in naive[1].items():
+        scale = grad.abs().max().item()
+        torch.testing.assert_close(chunked[1][name], grad, atol=1e-6 * max(scale, 1.0), rtol=0, msg=name)

@@ -52,6 +52,7 @@ DOCS_ORDER = [
     "sft.md",
     "reward-model.md",
     "ppo.md",
+    "distillation.md",
     "dpo.md",
     "rewards.md",
     "sandbox.md",

@@ -3,14 +3,14 @@
     deepspeed --num_gpus N train/train_ppo.py --config ds_configs/demo_ppo.json
         [--resume | --overwrite] [--dry-run] [--section.key value ...]
 
-Recipe: config -> process group -> prompts -> output-directory checks -> four models as
-DeepSpeed engines in one group (actor and critic trained, reference and reward model frozen; no
-critic with a critic-free ``ppo.advantage_estimator``; with LoRA only adapters train and the
-reference is the actor with its adapters off) -> sampler (vLLM, built after the engines) ->
+Recipe: config -> process group -> prompts -> output-directory checks -> the models as DeepSpeed
+engines in one group (actor and critic trained, reference, reward model and a distillation teacher
+frozen; no critic with a critic-free ``ppo.advantage_estimator``; with LoRA only adapters train and
+the reference is the actor with its adapters off) -> sampler (vLLM, built after the engines) ->
 start or resume the run (the code sandbox's isolation logged) -> held-out evaluation of the start
--> loop: generate -> make experience (log-probs, values, scores, KL, GAE) -> PPO epochs over
-mini-batches -> sync the actor into vLLM -> log / evaluate (roll back on a drop) / checkpoint -> HF
-export -> report.
+-> loop: generate -> make experience (log-probs, values, scores, KL, GAE; the teacher's log-probs)
+-> PPO epochs over mini-batches -> sync the actor into vLLM -> log / evaluate (roll back on a drop)
+/ checkpoint -> HF export -> report.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from engine.data.errors import DataFileError
 from engine.models.deepspeed_glue import describe_engine, save_hf_model, training_ds_config
 from engine.ppo.collect import RolloutCollector
 from engine.ppo.controls import IterationControls
+from engine.ppo.distill import DistillSettings
 from engine.ppo.engines import (
     build_hybrid_engine,
     build_sampler,
@@ -111,7 +112,8 @@ def main() -> int:
             f"{name}_lora": vars(part.lora)
             for name, part in (("actor", cfg.actor), ("critic", cfg.critic))
             if part.lora.rank
-        },
+        }
+        | ({"distill_teacher": cfg.distill.teacher, "distill_mode": cfg.distill.mode} if cfg.distill else {}),
     )
 
     engines = build_hybrid_engine(cfg, ds_config)
@@ -152,8 +154,11 @@ def main() -> int:
     )
     for line in sandbox:  # printed, and kept in events.jsonl
         run.event("code_sandbox", line)
-    update = UpdateSettings.from_config(cfg, value_weights, tokenizer.pad_token_id, engines.critic)
-    experience = ExperienceSettings.from_config(cfg, value_weights, values_from_update=update.values_gae is not None)
+    distill = DistillSettings.from_config(cfg.distill, vocab=engines.actor.module.config.vocab_size)
+    update = UpdateSettings.from_config(cfg, value_weights, tokenizer.pad_token_id, engines.critic, distill)
+    experience = ExperienceSettings.from_config(
+        cfg, value_weights, values_from_update=update.values_gae is not None, distill=distill
+    )
     if rank == 0:
         print(
             f"train_ppo: {len(prompts)} prompts, {iterations} iterations, {world} rank(s), sampler "

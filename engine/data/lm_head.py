@@ -78,31 +78,13 @@ def head_logprobs(
     return stats[:, 0], stats[:, 1] if entropy_grad else stats[:, 1].detach()
 
 
-def _whole_matrix_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool, entropy_grad: bool, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return head_logprobs(
-        torch.nn.Identity(), logits, targets, with_entropy, entropy_grad, max(len(logits), 1), temperature=temperature
-    )
-
-
-def token_logprobs(
-    model,
-    packed: PackedBatch,
-    positions: torch.Tensor,
-    targets: torch.Tensor,
-    with_entropy: bool = False,
-    entropy_grad: bool = False,
-    temperature: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A causal LM (bare, PEFT-wrapped or in a DeepSpeed engine) on a packed row: (K,) log p of
-    ``targets`` predicted at row ``positions`` and (K,) the entropy there (or None), float32 on
-    the model's device, the head run in chunks (:func:`head_logprobs`), of the distribution
-    sampled at ``temperature``."""
+def head_inputs(model, packed: PackedBatch, positions: torch.Tensor) -> tuple[torch.nn.Module, torch.Tensor]:
+    """A causal LM (bare, PEFT-wrapped or in a DeepSpeed engine) on a packed row: its LM head and the
+    head's (K, H) inputs at row ``positions`` (the model runs with its head on no position). An
+    architecture whose logits are not the head's output as is: the identity and the (K, V) logits."""
     hf_model = cast(PreTrainedModel, getattr(model, "module", model))
     if any(getattr(hf_model.config, name, None) for name in LOGIT_TRANSFORMS):
-        logits = packed_forward(model, packed, logits_positions=positions)[0]  # (K, V)
-        return _whole_matrix_logprobs(logits, targets, with_entropy, entropy_grad, temperature)
+        return torch.nn.Identity(), packed_forward(model, packed, logits_positions=positions)[0]  # (K, V)
     head = hf_model.get_output_embeddings()
     kept: list[torch.Tensor] = []
 
@@ -115,4 +97,75 @@ def token_logprobs(
         packed_forward(model, packed, logits_positions=positions)
     finally:
         hook.remove()
-    return head_logprobs(head, kept[0][0], targets, with_entropy, entropy_grad, HEAD_CHUNK, temperature=temperature)
+    return head, kept[0][0]
+
+
+def token_logprobs(
+    model,
+    packed: PackedBatch,
+    positions: torch.Tensor,
+    targets: torch.Tensor,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A causal LM on a packed row (:func:`head_inputs`): (K,) log p of ``targets`` predicted at row
+    ``positions`` and (K,) the entropy there (or None), float32 on the model's device, the head run in
+    chunks (:func:`head_logprobs`), of the distribution sampled at ``temperature``."""
+    head, hidden = head_inputs(model, packed, positions)
+    return head_logprobs(head, hidden, targets, with_entropy, entropy_grad, HEAD_CHUNK, temperature=temperature)
+
+
+def _chunk_logprobs_at(
+    head: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """(C, H) hidden states, (C, k) token ids -> (C, k) their log-probs under softmax(logits / temperature)."""
+    logits = head(hidden).float() / temperature  # (C, V)
+    return logits.gather(-1, ids) - torch.logsumexp(logits, dim=-1, keepdim=True)
+
+
+def head_logprobs_at(
+    head: torch.nn.Module, hidden: torch.Tensor, ids: torch.Tensor, chunk: int = HEAD_CHUNK, *, temperature: float = 1.0
+) -> torch.Tensor:
+    """(K, H) final hidden states and (K, k) token ids -> (K, k) float32 log-probs of those tokens at
+    each position, ``chunk`` positions at a time (recomputed in the backward, as :func:`head_logprobs`);
+    differentiable in ``hidden`` and the head's weights."""
+    ids = ids.to(hidden.device)
+    recompute = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
+    parts = [
+        checkpoint(_chunk_logprobs_at, head, h, i, temperature, use_reentrant=False)
+        if recompute
+        else _chunk_logprobs_at(head, h, i, temperature)
+        for h, i in zip(hidden.split(chunk), ids.split(chunk))
+    ]
+    return torch.cat(parts) if parts else hidden.new_zeros(0, ids.shape[1], dtype=torch.float32)
+
+
+@torch.no_grad()
+def head_top_k(
+    head: torch.nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    k: int,
+    vocab: int,
+    chunk: int = HEAD_CHUNK,
+    *,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(K, H) final hidden states, (K,) target ids -> (K,) log p(target), and the (K, k) log-probs and
+    ids of the k likeliest tokens among the first ``vocab`` at each position (a teacher whose embedding
+    matrix is padded past the student's vocabulary ranks only tokens the student has), float32,
+    ``chunk`` positions at a time, of softmax(logits / temperature). No gradient: a frozen model's."""
+    targets = targets.to(hidden.device)
+    logprobs, top_logprobs, top_ids = [], [], []
+    for h, t in zip(hidden.split(chunk), targets.split(chunk)):
+        logits = head(h).float() / temperature  # (C, V)
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # as _chunk_logprobs: a student = teacher agrees to the bit
+        logprobs.append((logits.gather(-1, t[:, None]) - lse).squeeze(-1))
+        top = logits[:, :vocab].topk(min(k, vocab), dim=-1)
+        top_logprobs.append(top.values - lse)
+        top_ids.append(top.indices)
+    if not logprobs:
+        empty = hidden.new_zeros(0, min(k, vocab), dtype=torch.float32)
+        return hidden.new_zeros(0, dtype=torch.float32), empty, empty.long()
+    return torch.cat(logprobs), torch.cat(top_logprobs), torch.cat(top_ids)

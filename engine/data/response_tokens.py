@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.data.lm_head import token_logprobs
+from engine.data.lm_head import head_inputs, head_logprobs, head_logprobs_at, head_top_k, token_logprobs
 from engine.data.packing import PackedBatch, packed_forward, sequence_rows
 from engine.run_config import KLEstimator
 
@@ -88,3 +88,38 @@ def response_logprobs(
         model, packed, positions, packed.input_ids[0, targets], with_entropy, entropy_grad, temperature
     )  # (K,) each
     return list(logprobs.cpu().split(lengths)), None if entropy is None else list(entropy.cpu().split(lengths))
+
+
+def response_logprobs_at(
+    model,
+    packed: PackedBatch,
+    prompt_lens: Sequence[int],
+    ids: Sequence[torch.Tensor],
+    entropy_grad: bool = False,
+    temperature: float = 1.0,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """:func:`response_logprobs` with the entropy, and in the same forward the log-probs of other
+    tokens at each response position: ``ids`` one (R_i, k) tensor per sequence, one at least (a teacher's top-k)
+    -> (R_i,) log-probs of the response tokens, (R_i,) entropies and (R_i, k) log-probs of ``ids``,
+    differentiably, the head in chunks (no (K, V) tensor)."""
+    positions, targets, lengths = response_positions(packed, prompt_lens)
+    head, hidden = head_inputs(model, packed, positions)
+    logprobs, entropy = head_logprobs(
+        head, hidden, packed.input_ids[0, targets], True, entropy_grad, temperature=temperature
+    )  # (K,) each
+    assert entropy is not None  # with_entropy
+    at = head_logprobs_at(head, hidden, torch.cat(list(ids)), temperature=temperature)  # (K, k)
+    return list(logprobs.cpu().split(lengths)), list(entropy.cpu().split(lengths)), list(at.cpu().split(lengths))
+
+
+@torch.no_grad()
+def response_top_logprobs(
+    model, packed: PackedBatch, prompt_lens: Sequence[int], k: int, vocab: int, temperature: float = 1.0
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """A frozen model's (a teacher's) view of each response: (R_i,) log-probs of its tokens and the
+    (R_i, k) log-probs and ids of the k likeliest tokens among the first ``vocab`` at each of its
+    positions (:func:`engine.data.lm_head.head_top_k`), one tensor per sequence, on the CPU."""
+    positions, targets, lengths = response_positions(packed, prompt_lens)
+    head, hidden = head_inputs(model, packed, positions)
+    logprobs, top, ids = head_top_k(head, hidden, packed.input_ids[0, targets], k, vocab, temperature=temperature)
+    return list(logprobs.cpu().split(lengths)), list(top.cpu().split(lengths)), list(ids.cpu().split(lengths))

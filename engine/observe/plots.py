@@ -3,7 +3,8 @@
 A plot none of whose keys was logged (or whose values are all non-finite) is left out.
 ``EXPECTED_PLOTS[kind]`` names the plots a complete run of a kind always has: every SFT and RM
 plot, and every PPO plot except ``win_rate.png`` and ``monitors.png``, which come from evaluation
-against the reference policy and so are missing from a run without eval prompts.
+against the reference policy and so are missing from a run without eval prompts, and ``distill.png``,
+which only a run with a teacher (the ``distill`` section) has.
 """
 
 from __future__ import annotations
@@ -155,6 +156,7 @@ class Plot(NamedTuple):
     title: str
     draw: Callable[[Figure, Run], bool]
     eval_only: bool = False
+    distill_only: bool = False  # drawn for a run with a teacher only
 
 
 PLOTS: dict[str, tuple[Plot, ...]] = {
@@ -224,10 +226,23 @@ PLOTS: dict[str, tuple[Plot, ...]] = {
             _lines("eval/length_ratio", "eval/repeated_ngram_frac", "eval/distinct_ratio"),
             eval_only=True,
         ),
+        Plot(
+            "distill.png",
+            "Distillation: reverse KL to the teacher, the teacher's log-prob of the samples",
+            _lines(
+                "distill/reverse_kl",
+                "eval/distill/reverse_kl",
+                "distill/jsd",
+                "distill/teacher_logprob",
+                ylabel="nats/token",
+                hline=0.0,
+            ),
+            distill_only=True,
+        ),
     ),
     "unknown": (),
 }
-EXPECTED_PLOTS = {kind: [p.file for p in plots if not p.eval_only] for kind, plots in PLOTS.items()}
+EXPECTED_PLOTS = {kind: [p.file for p in plots if not (p.eval_only or p.distill_only)] for kind, plots in PLOTS.items()}
 
 
 def expected_plots(run_dir: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""The models of a PPO run: four DeepSpeed engines in one process group
+"""The models of a PPO run: its DeepSpeed engines in one process group
 (:func:`build_hybrid_engine`), and the sampler built after them (:func:`build_sampler`).
 
 Which models a run has, and where the critic starts, is the config's to say
@@ -35,7 +35,7 @@ from engine.run_config.rewards import RewardsSection
 
 
 class HybridEngine(NamedTuple):
-    """The four models of a PPO run as DeepSpeed engines in one process group."""
+    """The models of a PPO run as DeepSpeed engines in one process group."""
 
     actor: Any  # trained
     critic: Any  # trained; None with a critic-free advantage estimator
@@ -43,13 +43,15 @@ class HybridEngine(NamedTuple):
     reward_model: Any  # frozen; None without a reward model (the score is the rewards section's)
     judge: Any  # frozen: the judge's reward model (held-out evaluation only); None without one
     keep_alive: Any  # hold while the engines live (engine/models/deepspeed_glue.load_partitioned)
+    teacher: Any = None  # frozen: the distill section's teacher; None without one
 
 
 def build_hybrid_engine(cfg: PPOConfig, ds_config: dict) -> HybridEngine:
     """The run's models, partitioned as they load (ZeRO-3): the actor and the critic (a critic-free
     estimator: none) as training engines on the run's schedule, ``ppo_epochs x rollout batch /
     mini_batch_size`` optimizer steps per iteration; the reference (a LoRA actor: none, the actor
-    with its adapters off), the reward model and the judge's (when the run has them) frozen."""
+    with its adapters off), the reward model, the judge's and the distillation teacher (when the run has
+    them) frozen."""
     model_kw: dict[str, Any] = dict(
         dtype=torch.bfloat16 if cfg.actor.bf16 else torch.float32,
         attn_implementation=cfg.actor.attn_implementation,
@@ -68,6 +70,11 @@ def build_hybrid_engine(cfg: PPOConfig, ds_config: dict) -> HybridEngine:
         load_partitioned(partial(load_value_model, rm.path, **model_kw), ds_config)[0] if rm else None
         for rm in (cfg.reward_model, cfg.judge.reward_model)
     )
+    teacher = (
+        load_partitioned(partial(load_causal_lm, cfg.distill.teacher, **model_kw), ds_config)[0]
+        if cfg.distill is not None
+        else None
+    )  # a model of its own, with a LoRA actor too (whose reference is the actor with its adapters off)
     critic: PreTrainedModel | PeftModel | None = None
     if cfg.has_critic():
         source = cfg.critic_source()
@@ -97,6 +104,7 @@ def build_hybrid_engine(cfg: PPOConfig, ds_config: dict) -> HybridEngine:
         reward_model=frozen_engine(reward_model, frozen_config) if reward_model is not None else None,
         judge=frozen_engine(judge, frozen_config) if judge is not None else None,
         keep_alive=keep_alive,
+        teacher=frozen_engine(teacher, frozen_config) if teacher is not None else None,
     )
 
 

@@ -6,8 +6,9 @@ parts: ``eval/reward/<name>``, ``eval/reward_greedy/<name>``, e.g. the greedy ex
 accuracy of a math verifier), and compares the
 sampled one with the **reference policy's** sampled response to the same prompt: the win rate
 under the run's score (ties count half; 0.5 when the policy is the reference). It also measures the
-KL to the reference on the held-out responses and what the hacking monitors watch (length
-against the reference's, repeated n-grams, distinct n-grams across prompts against the reference's).
+KL to the reference on the held-out responses (and, distilling, the reverse KL to the teacher) and what
+the hacking monitors watch (length against the reference's, repeated n-grams, distinct n-grams across
+prompts against the reference's).
 The reference responses are sampled once per run.
 """
 
@@ -135,9 +136,10 @@ class HeldOutEvaluator:
         return distinct_share([ids for part in gathered for ids in part], self.distinct_n)
 
     @torch.no_grad()
-    def kl_to_reference(self, samples: list[Sample], actor, ref) -> torch.Tensor:
-        """(n,) KL(policy || reference) of each response, summed over its tokens (k1 estimate), both
-        sampling at the rollout's temperature (the responses' distribution)."""
+    def sampled_kl(self, samples: list[Sample], actor, ref) -> torch.Tensor:
+        """(n,) KL(policy || ref) of each response, summed over its tokens (k1 estimate), both
+        sampling at the rollout's temperature (the responses' distribution); ``ref`` the reference, or
+        a distillation run's teacher."""
         sequences = [s.prompt_ids + s.response_ids for s in samples]
         lens = [len(s.prompt_ids) for s in samples]
         logprobs = lambda model: sequence_logprobs(
@@ -151,12 +153,18 @@ class HeldOutEvaluator:
         )
         return torch.stack([(a - r).sum() for a, r in zip(logprobs(actor), logprobs(ref))]).double()
 
-    def evaluate(self, sampler: Sampler, actor, ref, sample_rows: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
-        """Held-out metrics averaged over all ranks, and example rows (rank 0's first prompts)."""
+    def evaluate(
+        self, sampler: Sampler, actor, ref, sample_rows: int, teacher=None
+    ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """Held-out metrics averaged over all ranks, and example rows (rank 0's first prompts);
+        ``teacher`` (a distillation run's): also the reverse KL to it per token, ``distill/reverse_kl``."""
         assert self.reference is not None, "sample_reference first"
         sampled = self.respond(sampler, self.settings.temperature, POLICY_SEED, judged=True)
         greedy = self.respond(sampler, 0.0, POLICY_SEED)
-        kl = self.kl_to_reference(sampled.samples, actor, ref)
+        kl = self.sampled_kl(sampled.samples, actor, ref)
+        teacher_kl = (
+            [("distill_kl", self.sampled_kl(sampled.samples, actor, teacher).sum())] if teacher is not None else []
+        )
         repeated, total = map(sum, zip(*(repeated_ngrams(s.response_ids, self.ngram) for s in sampled.samples)))
         ref = self.reference
         parts = [  # eval/reward/<name>, eval/reward_greedy/<name>: each part's sum
@@ -164,7 +172,7 @@ class HeldOutEvaluator:
             for kind, r in (("", sampled), ("_greedy", greedy))
             for name in sorted(sampled.components)
         ]
-        sums = RankSums([*EVAL_SUMS, *(name for name, _ in parts)])
+        sums = RankSums([*EVAL_SUMS, *(name for name, _ in parts + teacher_kl)])
         sums.add(
             n=len(sampled.samples),
             reward=sampled.rewards.sum(),
@@ -178,7 +186,7 @@ class HeldOutEvaluator:
             repeated=repeated,
             ngrams=total,
         )
-        sums.add(**dict(parts))
+        sums.add(**dict(parts + teacher_kl))
         all_ranks = sums.reduced()
         metrics = {
             "reward": all_ranks.mean("reward", over="n"),
@@ -195,6 +203,8 @@ class HeldOutEvaluator:
             "distinct_ratio": self.distinct_over_ranks(sampled) / max(self.reference_distinct, 1e-9),
         } | judge_metrics(sampled.judged, ref.judged)
         metrics |= {name: all_ranks.mean(name, over="n") for name, _ in parts}
+        if teacher_kl:
+            metrics["distill/reverse_kl"] = all_ranks.mean("distill_kl", over="reward_length")
         rows = (
             [
                 {
@@ -255,7 +265,7 @@ def held_out_eval(
 ) -> dict[str, float]:
     """Evaluate the current policy on the held-out prompts at iteration ``run.step``; log sample rows.
     Returns the eval/* metrics."""
-    result, rows = evaluator.evaluate(sampler, engines.actor, engines.ref, sample_rows)
+    result, rows = evaluator.evaluate(sampler, engines.actor, engines.ref, sample_rows, engines.teacher)
     result["reward"] = faults.offset_eval_reward(result["reward"], run.step)
     run.logger.samples(run.step, rows)
     return {f"eval/{k}": v for k, v in result.items()}

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.data.response_tokens import kl_penalty
+from engine.ppo.distill import TeacherLogprobs, distill_stats, teacher_logprobs, with_distillation
 from engine.ppo.forwards import pad_right, sequence_logprobs, sequence_values
 from engine.ppo.losses import estimate_advantages, masked_mean, token_rewards
 from engine.ppo.monitors import within_prompt_diversity
@@ -42,12 +43,14 @@ class Experience:
     kl: torch.Tensor  # (B, T) per-token KL estimate vs the reference
     is_weights: torch.Tensor  # (B, T) weight of each token's policy loss (the mask without ppo.rollout_correction)
     rewards: torch.Tensor  # (B, T) token rewards: the score on the last token, minus the KL penalty on every token
+    teacher: TeacherLogprobs | None = None  # the distill section's teacher (None without one)
 
     def select(self, rows: Sequence[int]) -> Experience:
         idx = torch.tensor(list(rows), dtype=torch.long)
         return Experience(
             sequences=[self.sequences[i] for i in rows],
             prompt_lens=[self.prompt_lens[i] for i in rows],
+            teacher=None if self.teacher is None else self.teacher.select(idx),
             **{
                 f: getattr(self, f)[idx]
                 for f in (
@@ -100,6 +103,8 @@ def make_experience(
     sampler-actor gap is not measured. ``settings.rollout_correction``: weight each token's policy loss by
     the importance ratio of the actor's over the sampler's log-probs, truncated or masked
     (engine/ppo/rollout_correction.py).
+    ``settings.distill``: a fourth forward, the teacher's log-probs (engine/ppo/distill.py), and in
+    reverse_kl mode each token's reverse-KL advantage added to the estimator's.
     ``settings.share_prompts``: the samples of a prompt compute it once in each forward (where the
     model's attention allows).
     ``settings.values_from_update``: no critic forward here; the first critic step computes the
@@ -128,6 +133,11 @@ def make_experience(
         if engines.critic is not None and not settings.values_from_update
         else torch.zeros(len(samples), T)
     )  # (B, T)
+    teacher = (
+        teacher_logprobs(engines.teacher, sequences, prompt_lens, settings.distill, T, **tempered)
+        if settings.distill is not None
+        else None
+    )
     kl = kl_penalty(old_logprobs, ref_logprobs, settings.kl_estimator) * mask
     rewards = token_rewards(scores, kl, mask, kl_coef)
     advantages, returns = (
@@ -146,6 +156,7 @@ def make_experience(
             grpo_std_scaling=settings.grpo_std_scaling,
         )
     )
+    advantages = with_distillation(advantages, old_logprobs, teacher, mask, settings.distill)
     is_weights, correction_stats = policy_loss_weights(
         settings.rollout_correction, old_logprobs, sampler_logprobs, mask
     )  # (B, T)
@@ -162,6 +173,7 @@ def make_experience(
         kl,
         is_weights,
         rewards,
+        teacher,
     )
     stats = {
         "score": scores.mean().item(),
@@ -173,6 +185,7 @@ def make_experience(
         ),
         **{k: v.mean().item() for k, v in rollout.parts.items()},
         **correction_stats,
+        **(distill_stats(old_logprobs, teacher, mask) if teacher is not None else {}),
     }
     episodes = [s.episode for s in samples if s.episode is not None]
     if episodes:  # multi-turn: the policy's turns and the share of response tokens that are observations

@@ -75,8 +75,9 @@ def sequence_values(
 
 
 def pad_right(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
-    """Ragged 1-D tensors -> (B, width), zero padded."""
-    out = torch.zeros(len(rows), width, dtype=rows[0].dtype if rows else torch.float32)
+    """Ragged tensors (R_i, ...) -> (B, width, ...), zero padded."""
+    trailing = rows[0].shape[1:] if rows else ()
+    out = torch.zeros(len(rows), width, *trailing, dtype=rows[0].dtype if rows else torch.float32)
     for i, r in enumerate(rows):
         out[i, : len(r)] = r
     return out

@@ -20,6 +20,7 @@ from engine.run.launch import RunRefused
 from engine.run.preflight import (
     check_lora_targets,
     check_reward_model,
+    check_shared_vocabulary,
     check_vllm_can_run,
     check_weights,
     load_tokenizer,
@@ -59,8 +60,8 @@ class Tokenizers(NamedTuple):
 
 def check_models(cfg: PPOConfig) -> Tokenizers:
     """The models' tokenizers, once the model directories are found usable (whole weight files that
-    fit their configs, trained reward models, LoRA targets that exist, a model vLLM can run), before
-    any model loads."""
+    fit their configs, trained reward models, a teacher that shares the actor's vocabulary, LoRA targets
+    that exist, a model vLLM can run), before any model loads."""
     tokenizer = load_tokenizer(cfg.actor.path, "actor.path", cfg.actor.trust_remote_code)
     check_weights(cfg.actor.path, "actor.path", value_head=False, trust_remote_code=cfg.actor.trust_remote_code)
     reward_tokenizers = []
@@ -69,6 +70,10 @@ def check_models(cfg: PPOConfig) -> Tokenizers:
         if rm:
             check_reward_model(rm.path, f"{key}.path", rm.normalize)
             check_weights(rm.path, f"{key}.path", value_head=True)  # the critic starts from the actor's or the RM's
+    if cfg.distill is not None:
+        remote_code = cfg.actor.trust_remote_code
+        check_shared_vocabulary(cfg.distill.teacher, "distill.teacher", tokenizer, remote_code)
+        check_weights(cfg.distill.teacher, "distill.teacher", value_head=False, trust_remote_code=remote_code)
     check_lora_targets(cfg.actor.path, "actor.lora", cfg.actor.lora, False, cfg.actor.trust_remote_code)
     check_lora_targets(cfg.critic_source().path, "critic.lora", cfg.critic.lora, True)
     if cfg.rollout.sampler == "vllm":

@@ -33,7 +33,8 @@ class IterationResult(NamedTuple):
 
     kl_per_token: float  # mean over the ranks' responses
     sampler_logprob_gap: float | None  # per token, when the old log-probs were the actor's (a sync check)
-    metrics: dict[str, float]  # ppo/* (rollout statistics averaged over the ranks), reward/*, timing/*, memory/*
+    # ppo/* (rollout statistics averaged over the ranks), reward/*, distill/*, timing/*, memory/*
+    metrics: dict[str, float]
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class PPOIteration:
         rollout_stats["kl_per_token"] = rollout_stats["kl"] / max(rollout_stats["response_length"], 1.0)
         ppo = rollout_stats | collected.stats | train_stats
         metrics = (
-            {k if k.startswith("reward/") else f"ppo/{k}": v for k, v in ppo.items()}
+            {k if k.startswith(("reward/", "distill/")) else f"ppo/{k}": v for k, v in ppo.items()}
             | {
                 "timing/generate_s": collected.generate_s,
                 "timing/rollout_wait_s": collected.wait_s,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.models.loading import trains_as_it_evaluates
+from engine.ppo.distill import DistillSettings
 from engine.ppo.losses import PolicyLoss, clipped_policy_loss, dual_clip_policy_loss, gspo_policy_loss
 from engine.ppo.rollout_correction import RolloutCorrection
 from engine.run_config import AdvantageEstimator, KLEstimator, LossAggregation, PPOConfig
@@ -44,9 +45,10 @@ class PolicyLossSettings:
     sequence_ratio: bool = False  # GSPO: one importance ratio per sequence
     aggregation: LossAggregation = "token_mean"  # how the per-token losses of a mini-batch add up
     norm_tokens: int = 1  # seq_mean_token_sum_norm's constant
+    distill: DistillSettings | None = None  # gkd: coef x JSD(beta) to the teacher in the loss
 
     @classmethod
-    def from_config(cls, cfg: PPOConfig) -> PolicyLossSettings:
+    def from_config(cls, cfg: PPOConfig, distill: DistillSettings | None = None) -> PolicyLossSettings:
         return cls(
             clip_low=cfg.ppo.clip_ratio,
             clip_high=cfg.ppo.clip_ratio_high or cfg.ppo.clip_ratio,
@@ -57,6 +59,7 @@ class PolicyLossSettings:
             sequence_ratio=cfg.ppo.importance_ratio == "sequence",
             aggregation=cfg.ppo.loss_aggregation,
             norm_tokens=cfg.ppo.loss_norm_tokens or cfg.rollout.max_new_tokens,
+            distill=distill,
         )
 
     def policy_loss(
@@ -89,9 +92,16 @@ class ExperienceSettings:
     grpo_std_scaling: bool = True  # grpo divides by the group's reward std (false: Dr. GRPO)
     mask_truncated: bool = False  # responses cut at max_new_tokens count in no loss (DAPO's overlong filtering)
     temperature: float = 1.0  # the rollout's: log-probs are those of softmax(logits / temperature)
+    distill: DistillSettings | None = None  # the teacher's forward (and reverse_kl's advantages); None: no teacher
 
     @classmethod
-    def from_config(cls, cfg: PPOConfig, value_weights: torch.Tensor, values_from_update: bool) -> ExperienceSettings:
+    def from_config(
+        cls,
+        cfg: PPOConfig,
+        value_weights: torch.Tensor,
+        values_from_update: bool,
+        distill: DistillSettings | None = None,
+    ) -> ExperienceSettings:
         return cls(
             max_tokens=cfg.ppo.max_tokens_per_micro_batch,
             value_weights=value_weights,
@@ -106,6 +116,7 @@ class ExperienceSettings:
             grpo_std_scaling=cfg.ppo.grpo_std_scaling,
             mask_truncated=cfg.ppo.mask_truncated,
             temperature=cfg.rollout.temperature,
+            distill=distill,
         )
 
 
@@ -126,9 +137,16 @@ class UpdateSettings:
     temperature: float = 1.0  # the rollout's: log-probs and entropy are those of softmax(logits / temperature)
 
     @classmethod
-    def from_config(cls, cfg: PPOConfig, value_weights: torch.Tensor, pad_token_id: int, critic) -> UpdateSettings:
+    def from_config(
+        cls,
+        cfg: PPOConfig,
+        value_weights: torch.Tensor,
+        pad_token_id: int,
+        critic,
+        distill: DistillSettings | None = None,
+    ) -> UpdateSettings:
         return cls(
-            policy=PolicyLossSettings.from_config(cfg),
+            policy=PolicyLossSettings.from_config(cfg, distill),
             value_weights=value_weights,
             value_clip=cfg.ppo.value_clip,
             ppo_epochs=cfg.ppo.ppo_epochs,

@@ -16,7 +16,9 @@ import torch
 
 from engine.data.batching import token_mean_scale
 from engine.data.packing import PackedBatch, dummy_forward_loss, packed_forward
-from engine.data.response_tokens import kl_penalty, response_logprobs
+from engine.data.response_tokens import kl_penalty, response_logprobs, response_logprobs_at
+from engine.ppo.distill import with_distillation
+from engine.ppo.distill_losses import top_k_jsd
 from engine.ppo.experience import Experience
 from engine.ppo.forwards import pad_right, response_values
 from engine.ppo.losses import PolicyLoss, aggregation_weights, clipped_value_loss, estimate_advantages, gae
@@ -30,20 +32,32 @@ class ActorLoss(NamedTuple):
     per_token: torch.Tensor  # (b, T) what is minimised, weighted by engine.ppo.losses.aggregation_weights
     pg: PolicyLoss  # the surrogate and where its clips were active
     kl: torch.Tensor | None  # (b, T) KL(new || ref) estimate of the KL loss (None without one)
+    jsd: torch.Tensor | None = None  # (b, T) GKD's JSD(beta) to the teacher over its top-k (distill gkd only)
 
 
 def actor_token_loss(
-    logprobs: torch.Tensor, entropy: torch.Tensor, mb: Experience, settings: PolicyLossSettings
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor,
+    mb: Experience,
+    settings: PolicyLossSettings,
+    student_top: torch.Tensor | None = None,
 ) -> ActorLoss:
     """Per-token actor loss: is_weight * policy surrogate [+ kl_loss_coef * KL(new || ref)] [- entropy_coef * entropy]
-    (``mb.is_weights``: the rollout correction's importance weights, ones without ppo.rollout_correction)."""
+    [+ distill.coef * JSD(beta) to the teacher] (``mb.is_weights``: the rollout correction's importance weights,
+    ones without ppo.rollout_correction; ``student_top`` (b, T, k): the actor's log-probs of the teacher's
+    top-k tokens, distill mode gkd)."""
     pg = settings.policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.mask)
     per_token = pg.loss * mb.is_weights
     per_token = per_token - settings.entropy_coef * entropy if settings.entropy_coef else per_token
     kl = kl_penalty(logprobs, mb.ref_logprobs, settings.kl_estimator) if settings.kl_loss_coef else None
     if kl is not None:
         per_token = per_token + settings.kl_loss_coef * kl
-    return ActorLoss(per_token, pg, kl)
+    jsd = None
+    if student_top is not None and settings.distill is not None and mb.teacher is not None:
+        assert mb.teacher.top_logprobs is not None  # gkd
+        jsd = top_k_jsd(student_top, mb.teacher.top_logprobs, settings.distill.beta, mb.mask)
+        per_token = per_token + settings.distill.coef * jsd
+    return ActorLoss(per_token, pg, kl, jsd)
 
 
 def actor_metric_names(settings: PolicyLossSettings) -> list[str]:
@@ -53,7 +67,31 @@ def actor_metric_names(settings: PolicyLossSettings) -> list[str]:
         ["pg_loss", "clipfrac", "approx_kl", "entropy"]
         + ["dual_clipfrac"] * (settings.clip_ratio_c is not None)
         + ["kl_loss"] * bool(settings.kl_loss_coef)
+        + ["distill/jsd"] * gkd(settings)
     )
+
+
+def gkd(settings: PolicyLossSettings) -> bool:
+    """Whether the actor loss has GKD's JSD term (distill mode gkd)."""
+    return settings.distill is not None and settings.distill.mode == "gkd"
+
+
+def actor_forward(
+    engine, packed: PackedBatch, mb: Experience, settings: UpdateSettings
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The actor's (b, T) log-probs of the response tokens and (b, T) entropies, and with GKD its
+    (b, T, k) log-probs of the teacher's top-k tokens, from one forward of the micro-batch ``packed``."""
+    T, grad = mb.mask.shape[1], settings.policy.entropy_coef != 0
+    if not gkd(settings.policy):
+        logprob_rows, entropy_rows = response_logprobs(
+            engine, packed, mb.prompt_lens, with_entropy=True, entropy_grad=grad, temperature=settings.temperature
+        )
+        assert entropy_rows is not None  # with_entropy
+        return pad_right(logprob_rows, T), pad_right(entropy_rows, T), None
+    assert mb.teacher is not None and mb.teacher.top_ids is not None  # gkd: the experience has the teacher's top-k
+    ids = [mb.teacher.top_ids[i, : len(s) - p] for i, (s, p) in enumerate(zip(mb.sequences, mb.prompt_lens))]
+    rows = response_logprobs_at(engine, packed, mb.prompt_lens, ids, grad, settings.temperature)
+    return pad_right(rows[0], T), pad_right(rows[1], T), pad_right(rows[2], T)
 
 
 def _micro_batches(
@@ -88,7 +126,7 @@ def global_counts(mask: torch.Tensor) -> tuple[int, int]:
 
 
 def actor_step(engine, batch: Experience, settings: UpdateSettings, iteration: int) -> dict[str, float]:
-    """Clipped (or dual-clip) PPO policy loss [+ KL loss - entropy bonus] over ``batch``, a
+    """Clipped (or dual-clip) PPO policy loss [+ KL loss - entropy bonus + GKD's JSD] over ``batch``, a
     mini-batch of 0-based ``iteration``, aggregated over its tokens as ``settings.policy.aggregation``
     says (:func:`engine.ppo.losses.aggregation_weights`); returns token-mean stats."""
     world = torch.distributed.get_world_size()
@@ -97,18 +135,8 @@ def actor_step(engine, batch: Experience, settings: UpdateSettings, iteration: i
     names = actor_metric_names(policy)
     sums = torch.zeros(len(names) + 1, dtype=torch.float64)  # token sums of each statistic, then the token count
     for _, mb, packed in _micro_batches(engine, batch, settings):
-        T = mb.mask.shape[1]
-        logprob_rows, entropy_rows = response_logprobs(
-            engine,
-            packed,
-            mb.prompt_lens,
-            with_entropy=True,
-            entropy_grad=settings.policy.entropy_coef != 0,
-            temperature=settings.temperature,
-        )
-        assert entropy_rows is not None  # with_entropy
-        logprobs, entropy = pad_right(logprob_rows, T), pad_right(entropy_rows, T)  # (b, T) each
-        loss = actor_token_loss(logprobs, entropy, mb, policy)
+        logprobs, entropy, student_top = actor_forward(engine, packed, mb, settings)  # (b, T), (b, T), (b, T, k)
+        loss = actor_token_loss(logprobs, entropy, mb, policy, student_top)
         mask = mb.mask.float()
         weights = aggregation_weights(mb.mask, policy.aggregation, sequences, tokens, policy.norm_tokens)  # (b, T)
         # times world: DeepSpeed averages the ranks' gradients (engine/data/batching.token_mean_scale)
@@ -116,7 +144,7 @@ def actor_step(engine, batch: Experience, settings: UpdateSettings, iteration: i
         with torch.no_grad():
             approx_kl = 0.5 * (logprobs - mb.old_logprobs) ** 2  # Schulman's k2 of KL(old || new)
             per_token = [loss.pg.loss, loss.pg.clipped.float(), approx_kl, entropy]
-            per_token += [t for t in (loss.pg.capped, loss.kl) if t is not None]
+            per_token += [t for t in (loss.pg.capped, loss.kl, loss.jsd) if t is not None]
             sums += torch.stack([(t.float() * mask).sum() for t in per_token] + [mask.sum()]).double()
     engine.step()
     return _means(sums, names)
@@ -210,6 +238,9 @@ def update_on_rollout(
                     1,
                     values_gae.whiten,
                     group=torch.distributed.group.WORLD,
+                )
+                exp.advantages = with_distillation(
+                    exp.advantages, exp.old_logprobs, exp.teacher, exp.mask, settings.policy.distill
                 )
                 mb, values_gae = exp.select(rows), None
             if train_actor:

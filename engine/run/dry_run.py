@@ -34,6 +34,7 @@ from engine.run.memory_budget import (
     vllm_memory,
     vllm_sleeps,
 )
+from engine.run_config.distill import DistillSection
 from engine.run_config.rollout_correction import RolloutCorrectionSection
 
 
@@ -214,6 +215,7 @@ def ppo_plan(
             *reference,
             *([("reward model", cfg.reward_model.path, True, None, False)] if cfg.reward_model else []),
             *([("judge", cfg.judge.reward_model.path, True, None, False)] if cfg.judge.reward_model else []),
+            *([("teacher", cfg.distill.teacher, False, None, False)] if cfg.distill else []),
         ],
         ds_config,
         trainers,
@@ -232,7 +234,8 @@ def ppo_plan(
             f"{frozen_memory(total, ds_config, trainers, cfg.actor.bf16)} saved)"
         )
     if cfg.reward_model is None:
-        print("  reward model none: the score is the rewards section's components")
+        scored = cfg.rewards.weights() or r.environment
+        print("  reward model none: " + ("the score is the rewards section's components" if scored else "no reward"))
     if r.sampler == "vllm":
         print(f"  vLLM sampler: {vllm_memory(cfg, world)}")
     sampler = vllm_bytes(cfg, device_gib) if r.sampler == "vllm" else 0.0
@@ -251,6 +254,8 @@ def ppo_plan(
         )
     print(f"score: {score_terms(cfg)}")
     print(f"objective: {objective_terms(cfg)}")
+    if cfg.distill:
+        print(f"distillation: {distill_terms(cfg.distill)}")
     if cfg.judge.active():
         judged = ["reward model"] * bool(cfg.judge.reward_model) + list(
             cfg.judge.rewards.weights() if cfg.judge.rewards else {}
@@ -283,6 +288,18 @@ def objective_terms(cfg) -> str:
     )
 
 
+def distill_terms(distill: DistillSection) -> str:
+    """The ``distill`` section in words."""
+    if distill.mode == "reverse_kl":
+        how = f"each sampled token's advantage gets -{distill.coef:g} x (log pi_actor - log pi_teacher)"
+    else:
+        how = (
+            f"the actor loss gets {distill.coef:g} x JSD(beta {distill.beta:g}) to the teacher over its top "
+            f"{distill.top_k} tokens per position (GKD, on-policy)"
+        )
+    return f"{distill.mode} from {distill.teacher}: {how}"
+
+
 def correction_terms(correction: RolloutCorrectionSection | None) -> str:
     """``ppo.rollout_correction`` in words, after a '; ' ('' without one)."""
     if correction is None:
@@ -297,6 +314,8 @@ def score_terms(cfg) -> str:
     rewards = cfg.rewards
     terms = [f"{cfg.reward_model.weight:g} x reward model (normalised)"] if cfg.reward_model else []
     terms += [f"{weight:g} x {name}" for name, weight in rewards.weights().items()]
+    if not terms and not cfg.rollout.environment:
+        terms.append("0 (no reward: the teacher alone)")
     if cfg.rollout.environment:
         terms.append(f"{cfg.rollout.environment.weight:g} x environment (the episode's rewards)")
     if rewards.no_eos_penalty:

@@ -125,3 +125,41 @@ def check_lora_targets(path: str, key: str, lora, value_head: bool, trust_remote
             f"'{key}.target_modules' {list(lora.target_modules)}: {_first_line(e)} ({path}); "
             f"its linear layers are {linear}",
         ) from None
+
+
+def vocabulary_difference(actor: PreTrainedTokenizerBase, other: PreTrainedTokenizerBase) -> str | None:
+    """How ``other``'s vocabulary differs from the ``actor``'s (token -> id, the special tokens), in
+    words; None when they are the same."""
+    mine, theirs = actor.get_vocab(), other.get_vocab()
+    if len(mine) != len(theirs):
+        return f"{len(theirs):,} tokens against the actor's {len(mine):,}"
+    moved = sorted(token for token, i in mine.items() if theirs.get(token) != i)
+    if moved:
+        token = moved[0]
+        return f"{len(moved):,} tokens have other ids, e.g. {token!r}: {theirs.get(token)} here, actor {mine[token]}"
+    for name in ("eos_token", "bos_token", "pad_token"):
+        if getattr(actor, name) != getattr(other, name):
+            return f"its {name} is {getattr(other, name)!r}, the actor's {getattr(actor, name)!r}"
+    return None
+
+
+def check_shared_vocabulary(
+    path: str, key: str, actor: PreTrainedTokenizerBase, trust_remote_code: bool = False
+) -> None:
+    """The model at ``path`` (the run config's ``key``) reads and predicts the ``actor``'s token ids:
+    its tokenizer has the same vocabulary and its embedding covers every id (a matrix padded past the
+    vocabulary, as Qwen2.5's sizes differ, is fine)."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise RunRefused("model", f"'{key}' ({path}): no tokenizer could be loaded ({_first_line(e)})") from None
+    difference = vocabulary_difference(actor, tokenizer)
+    size = model_config(path, key, trust_remote_code).vocab_size
+    if difference is None and size < len(actor):
+        difference = f"its embedding has {size:,} rows for the actor's {len(actor):,} tokens"
+    if difference is not None:
+        raise RunRefused(
+            "config",
+            f"'{key}' ({path}): its vocabulary is not the actor's ({difference}); distillation compares the two "
+            "models' log-probs token by token, so the teacher must share the actor's tokenizer",
+        )

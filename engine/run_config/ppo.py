@@ -16,6 +16,7 @@ from engine.run_config.common import (
     PolicySection,
     resolve_deepspeed_dtype,
 )
+from engine.run_config.distill import DistillSection
 from engine.run_config.monitors import JudgeSection, MonitorSection
 from engine.run_config.rewards import RewardModelSection, RewardsSection
 from engine.run_config.rollout import RolloutSection
@@ -178,6 +179,9 @@ class PPOConfig(Config):
     guards: PPOGuardsSection = section(PPOGuardsSection, "training guards: NaN steps, KL ceiling, rollback")
     monitors: MonitorSection = section(MonitorSection, "reward-hacking monitors on held-out responses")
     judge: JudgeSection = section(JudgeSection, "held-out scores the policy is not trained on (a reward-hacking check)")
+    distill: DistillSection | None = option(
+        None, "on-policy distillation from a frozen teacher on the actor's samples (None: off); the reward is optional"
+    )
     logging: LoggingSection = section(LoggingSection, "where and how to log")
 
     def check(self) -> None:
@@ -197,9 +201,15 @@ class PPOConfig(Config):
             )
         if self.judge.active() and not self.data.eval_prompts:
             raise ConfigError("judge scores held-out responses: set data.eval_prompts")
-        if self.reward_model is None and not self.rewards.weights() and self.rollout.environment is None:
+        if (
+            self.reward_model is None
+            and not self.rewards.weights()
+            and self.rollout.environment is None
+            and self.distill is None
+        ):
             raise ConfigError(
-                "nothing to score responses with: set reward_model.path, a rewards component or rollout.environment"
+                "nothing to score responses with: set reward_model.path, a rewards component, rollout.environment "
+                "or distill (a teacher)"
             )
         if self.has_critic() and self.critic.init_from == "reward_model" and self.reward_model is None:
             raise ConfigError("critic.init_from reward_model needs a reward_model: set critic.init_from actor")
