@@ -2,7 +2,7 @@
 
     python -m data_prep.arithmetic_task --out DIR [--num-train 4000] [--num-eval 200] \\
         [--num-demonstrations 2000] [--demonstration-accuracy 0.5] [--offsets=-3,-2,-1,1,2,3] \\
-        [--seed 0] [--max-operand 20] [--max-steps 2] [--multiplication --max-factor 5]
+        [--seed 0] [--max-operand 20] [--max-steps 2] [--multiplication --max-factor 5] [--tool-calls]
 
 A problem is ``--min-steps``..``--max-steps`` (1..2) operations, + and - (and a product to start
 with, under ``--multiplication``):
@@ -18,6 +18,10 @@ zero, so every answer is a non-negative integer. Writes into ``--out``:
   either way: ``"7 + 5 = 13\\n#### 13"``; ``--offsets 1``: always one too many, a systematic slip),
   so that a policy fine-tuned on them writes the format but the right answer only sometimes,
   leaving reinforcement learning against the answer check room to improve.
+  With ``--tool-calls`` a demonstration is a conversation that uses the calculator tool
+  (engine/environments/tools.py) instead of working the problem out: ``{"messages": [user, assistant
+  <tool_call>{"name": "calculator", "arguments": {"expression": "7 + 5"}}</tool_call>, tool "12",
+  assistant "#### 12"], "answer", "correct"}``; a wrong one copies the tool's result with the slip.
 * ``prompts.jsonl``: ``{"prompt", "answer"}`` rows (answer a string: ``"12"``) for
   ``data_prep.prepare_prompts --fields answer``.
 * ``eval_prompts.jsonl``: held-out problems in the same shape, whose arithmetic (the numbers and
@@ -38,6 +42,8 @@ import random
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from engine.environments.tools import calculator
 
 ANSWER_FORMAT = "#### {answer}"
 NAMES = [
@@ -112,6 +118,21 @@ def worked_answer(problem: Problem, rng: random.Random, correct: bool, offsets: 
     return "\n".join([*lines, ANSWER_FORMAT.format(answer=given)])
 
 
+def tool_conversation(problem: Problem, rng: random.Random, correct: bool, offsets: Sequence[int]) -> list[dict]:
+    """The problem solved with one calculator call: the call, the tool's result, the answer line (when
+    not ``correct``, off by one of ``offsets`` as in :func:`worked_answer`)."""
+    call = {"name": "calculator", "arguments": {"expression": problem.expression}}
+    given = problem.answer
+    if not correct:
+        given = problem.answer + rng.choice([d for d in offsets if problem.answer + d >= 0] or [1])
+    return [
+        {"role": "user", "content": problem.text},
+        {"role": "assistant", "content": f"<tool_call>{json.dumps(call)}</tool_call>"},
+        {"role": "tool", "content": calculator(problem.expression)},
+        {"role": "assistant", "content": ANSWER_FORMAT.format(answer=given)},
+    ]
+
+
 def sample_unique(draw: Callable[[], Problem], count: int, texts: set[str], held_out: set[str]) -> list[Problem]:
     """``count`` problems from ``draw`` whose texts are new (added to ``texts``) and whose arithmetic
     is not in ``held_out``; ValueError when the problem space runs out."""
@@ -155,6 +176,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-steps", type=int, default=2, help="most operations in a problem")
     parser.add_argument("--multiplication", action="store_true", help="half the problems start with a product")
     parser.add_argument("--max-factor", type=int, default=5, help="largest factor of a product")
+    parser.add_argument(
+        "--tool-calls", action="store_true", help="demonstrations call the calculator tool instead of working it out"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--layout",
@@ -204,8 +228,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     right = set(rng.sample(range(len(demonstrations)), round(args.demonstration_accuracy * len(demonstrations))))
     demo_rows = []
     for i, p in enumerate(demonstrations):
-        response = worked_answer(p, rng, correct=i in right, offsets=args.offsets)
-        demo_rows.append({"prompt": p.text, "response": response, "answer": str(p.answer), "correct": i in right})
+        if args.tool_calls:
+            row = {"messages": tool_conversation(p, rng, i in right, args.offsets)}
+        else:
+            row = {"prompt": p.text, "response": worked_answer(p, rng, i in right, args.offsets)}
+        demo_rows.append(row | {"answer": str(p.answer), "correct": i in right})
     write_rows(os.path.join(args.out, "demonstrations.jsonl"), demo_rows)
     print(
         f"wrote {args.out}/{{prompts,eval_prompts,demonstrations}}.jsonl: {len(train)} training and "

@@ -71,10 +71,13 @@ def iter_texts(sources: Sequence[str]) -> Iterator[str]:
                 yield from walk(row)
 
 
-def train_tokenizer(texts: Iterator[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """Byte-level BPE (GPT-2 style pre-tokenisation) with ChatML specials and template."""
+def train_tokenizer(texts: Iterator[str], vocab_size: int, split_digits: bool = False) -> PreTrainedTokenizerFast:
+    """Byte-level BPE (GPT-2 style pre-tokenisation) with ChatML specials and template; with
+    ``split_digits`` every digit is a token of its own (as Qwen's and Llama's tokenizers split numbers)."""
     bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    digits = pre_tokenizers.Digits(individual_digits=True)
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level]) if split_digits else byte_level
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -162,6 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--intermediate-size", type=int, default=384)
     parser.add_argument("--max-position-embeddings", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--split-digits", action="store_true", help="every digit a token of its own (Qwen's numbers)")
     parser.add_argument(
         "--tie-embeddings", action="store_true", help="the LM head is the input embedding (Qwen2.5-0.5B)"
     )
@@ -177,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     try:
-        tokenizer = train_tokenizer(iter_texts(args.text), args.vocab_size)
+        tokenizer = train_tokenizer(iter_texts(args.text), args.vocab_size, args.split_digits)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

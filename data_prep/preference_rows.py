@@ -28,7 +28,7 @@ from typing import Any
 from data_prep.sources import BadJSON
 
 Message = dict[str, str]
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 HH_ASSISTANT = "\n\nAssistant:"
 _HH_TURN = re.compile(r"\n\n(Human|Assistant):")
 

@@ -18,9 +18,12 @@ from engine.data.chat import prompt_ids
 from engine.data.prompts import Prompt
 from engine.environments.episodes import EpisodeRunner, episode_scores
 from engine.environments.tools import ToolEnvironment
-from engine.ppo.experience import sampled_token_mask
-from engine.ppo.losses import gae, token_rewards
-from engine.rollout.sampler import HFSampler, SamplingSettings
+from engine.data.response_tokens import kl_penalty
+from engine.ppo.experience import Experience, sampled_token_mask
+from engine.ppo.losses import aggregation_weights, gae, token_rewards
+from engine.ppo.settings import PolicyLossSettings
+from engine.ppo.update import actor_token_loss
+from engine.rollout.sampler import HFSampler, Sample, SamplingSettings
 from engine.run_config.environment import EnvironmentSection
 
 ENVIRONMENTS = """
@@ -36,6 +39,9 @@ class Echo(Environment):
         if self.turns == 3:
             return None, 0.5, True
         return f"turn {self.turns} of {self.answer}", 0.5, False
+
+    def metrics(self):
+        return {"steps": self.turns}
 
 class OneStep(Environment):
     def step(self, text):
@@ -103,6 +109,7 @@ def test_episodes_continue_by_ids_and_a_one_turn_environment_samples_a_single_tu
     assert max(s.episode.turns for s in samples) == 3, [s.episode for s in samples]
     for i, s in enumerate(samples):
         assert s.episode.reward == 0.5 * s.episode.turns and len(s.observations) == s.episode.turns - 1
+        assert s.episode.metrics == {"steps": s.episode.turns}  # read at the end: done, or closed
         assert len(s.response_ids) == len(s.logprobs) <= 40
         for k, (start, end) in enumerate(s.observations):
             # the template's ids for the observation, its content cut to 3 tokens, after a turn ending with EOS
@@ -179,6 +186,7 @@ def test_tool_calls_are_run_and_malformed_ones_answered():
     program = '<tool_call>{"name": "python", "arguments": {"code": %s}}</tool_call>'
     observation, _, _ = tools.step(program % json.dumps("print(6 * 7)") + program % json.dumps("print(1 / 0)"))
     assert observation.splitlines() == ["42", "error: python: error: ZeroDivisionError: division by zero"]
+    assert tools.metrics() == {"tool_calls": 8, "tool_errors": 5}
 
 
 def test_gae_and_token_rewards_step_over_observations():
@@ -195,3 +203,39 @@ def test_gae_and_token_rewards_step_over_observations():
     assert advantages[0, ~sampled].abs().sum() == 0
     placed = token_rewards(torch.tensor([2.0]), torch.zeros(1, 8), mask, kl_coef=0.1)
     assert placed.tolist() == [[0, 0, 0, 0, 0, 0, 2.0, 0]]
+
+
+def test_changing_the_observations_leaves_the_policy_loss_and_kl_unchanged():
+    """Two episodes with observations: the token-mean actor loss (clipped surrogate, k3 KL loss,
+    entropy bonus) and the rollout KL are equal whatever the observation tokens' log-probs, old and
+    reference log-probs, advantages and entropies, and no gradient reaches the observations."""
+    samples = [
+        Sample([1], [5, 6, 7, 8, 9, 10], [0.0] * 6, True, [(2, 4)]),
+        Sample([1], [5, 6, 7], [0.0] * 3, True, [(1, 2)]),
+    ]
+    mask = sampled_token_mask(samples, 6)
+    assert mask.tolist() == [[1, 1, 0, 0, 1, 1], [1, 0, 1, 0, 0, 0]]
+    settings = PolicyLossSettings(
+        clip_low=0.2, clip_high=0.2, clip_ratio_c=None, kl_loss_coef=0.1, kl_estimator="k3", entropy_coef=0.01
+    )
+    weights = aggregation_weights(mask, "token_mean", 2, int(mask.sum()), 1)
+    torch.manual_seed(0)
+    base = [torch.randn(2, 6) for _ in range(5)]  # log-probs, old, reference, advantages, entropy
+
+    def loss_and_kl(observations_seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        torch.manual_seed(observations_seed)  # new values at the observation tokens (and the padding)
+        logprobs, old, ref, advantages, entropy = (torch.where(mask, t, torch.randn(2, 6) * 5) for t in base)
+        logprobs.requires_grad_(True)
+        zeros = torch.zeros(2, 6)
+        mb = Experience(
+            [[1] * 7, [1] * 4], [1, 1], mask, old, ref, zeros, advantages, zeros, torch.zeros(2), zeros,
+            mask.float(), zeros,
+        )  # fmt: skip
+        loss = (actor_token_loss(logprobs, entropy, mb, settings).per_token * weights).sum()
+        loss.backward()
+        return loss.detach(), logprobs.grad, (kl_penalty(old, ref, "k1") * mask).sum()
+
+    loss, grad, kl = loss_and_kl(1)
+    other_loss, other_grad, other_kl = loss_and_kl(2)
+    assert loss == other_loss and kl == other_kl and torch.equal(grad, other_grad)
+    assert grad[~mask].abs().sum() == 0 and grad[mask].abs().min() > 0

@@ -7,11 +7,13 @@ no arguments, one instance per episode::
     class Calculator(Environment):
         def reset(self, prompt, **fields): ...            # the episode's prompt messages and its row's fields
         def step(self, text): return observation, reward, done
+        def metrics(self): return {"tool_calls": 2.0}      # optional: the episode's counts, logged
 
 ``step`` gets the policy's turn as text (special tokens skipped) and returns the observation to show
 the policy next (a ``str``, rendered as a tool message; None: none), a reward (a finite number or
-None; an episode's rewards are summed) and whether the episode is over. An episode's instance lives
-in one worker, which the trainer routes all its calls to.
+None; an episode's rewards are summed) and whether the episode is over. ``metrics`` is read when the
+episode ends: numbers logged as ``environment/<name>``, averaged over the episodes. An episode's
+instance lives in one worker, which the trainer routes all its calls to.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ class Environment:
         """The policy's turn -> (observation, reward, done)."""
         raise NotImplementedError
 
+    def metrics(self) -> dict[str, float]:
+        """The episode's own counts when it ends (e.g. tool calls and errors), logged averaged over episodes."""
+        return {}
+
 
 _episodes: dict[str, Environment] = {}  # this worker's live episodes by key
 
@@ -49,7 +55,8 @@ def reset(name: str, key: str, prompt: list[Message], fields: dict[str, Any]) ->
 
 
 def step(key: str, text: str) -> list[Any]:
-    """Episode ``key``'s reply to the policy's turn ``text``: [observation, reward, done], checked."""
+    """Episode ``key``'s reply to the policy's turn ``text``: [observation, reward, done, metrics],
+    checked; metrics (see :func:`close`) when done, else None."""
     if key not in _episodes:
         raise RuntimeError(f"episode {key} is not in this worker (its worker was restarted)")
     result = _episodes[key].step(text)
@@ -64,12 +71,16 @@ def step(key: str, text: str) -> list[Any]:
         raise TypeError(f"step's reward {reward!r} is not a finite number or None")
     if not isinstance(done, bool):
         raise TypeError(f"step's done {done!r} is not a bool")
-    if done:
-        del _episodes[key]
-    return [observation, None if reward is None else float(reward), done]
+    return [observation, None if reward is None else float(reward), done, close(key) if done else None]
 
 
-def close(key: str) -> float:
-    """Forget episode ``key`` (it ended without the environment saying done)."""
-    _episodes.pop(key, None)
-    return 0.0
+def close(key: str) -> dict[str, float]:
+    """Forget episode ``key``: its metrics, checked to be finite numbers by name."""
+    environment = _episodes.pop(key, None)
+    metrics = environment.metrics() if environment is not None else {}
+    if not isinstance(metrics, dict) or not all(
+        isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+        for k, v in metrics.items()
+    ):
+        raise TypeError(f"metrics returned {metrics!r}, not a dict of names to finite numbers")
+    return {k: float(v) for k, v in metrics.items()}

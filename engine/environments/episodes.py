@@ -21,6 +21,7 @@ from engine.data.chat import PROBE
 from engine.rewards.components import ComponentScores
 from engine.rewards.pool import Call, Outcome, RewardPool
 from engine.rollout.sampler import EpisodeOutcome, Sample, Sampler, SamplingSettings
+from engine.run.distributed import RankSums
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -83,6 +84,7 @@ class _Episode:
     turns: int = 0
     reward: float | None = None
     reply: Any = None  # the environment's last reply
+    metrics: dict[str, float] | None = None  # the environment's, when the episode ended
     failure: Outcome | None = None
     open: bool = False  # its environment holds it: reset, and not yet done
 
@@ -105,7 +107,11 @@ class _Episode:
     def sample(self) -> Sample:
         failure = self.failure
         outcome = EpisodeOutcome(
-            self.reward, self.turns, failure.error if failure else None, bool(failure and failure.timed_out)
+            self.reward,
+            self.turns,
+            failure.error if failure else None,
+            bool(failure and failure.timed_out),
+            self.metrics,
         )
         return Sample(self.prompt, self.response, self.logprobs, self.finished, self.observations, outcome)
 
@@ -155,7 +161,7 @@ class EpisodeRunner:
             self._call(active, "step", [[e.key, text] for e, text in zip(active, texts)])
             going = []
             for e in (e for e in active if e.failure is None):
-                observation, reward, done = e.reply
+                observation, reward, done, e.metrics = e.reply
                 e.reward = e.reward if reward is None else (e.reward or 0.0) + reward
                 e.open = not done
                 if done or observation is None or not e.finished or turn == self.section.max_turns:
@@ -176,7 +182,9 @@ class EpisodeRunner:
                 e.add_turn(group[0], limit)
             active = going
         left = [e for e in episodes if e.open]  # over for the policy, not for the environment: forgotten
-        self.pool.run(self._calls("close", [[e.key] for e in left]), [e.slot for e in left])
+        closed = self.pool.run(self._calls("close", [[e.key] for e in left]), [e.slot for e in left])
+        for e, outcome in zip(left, closed):
+            e.metrics = outcome.value  # None where the close failed: bookkeeping, not the episode's failure
         samples = iter([e.sample() for e in episodes])
         return [[next(samples) for _ in group] for group in groups]
 
@@ -208,3 +216,18 @@ def episode_scores(samples: Sequence[Sample], fallback: float) -> ComponentScore
         timeouts=sum(o.timed_out for o in failed),
         first_error=next((o.error for o in failed), None),
     )
+
+
+def episode_metrics(samples: Sequence[Sample]) -> dict[str, float]:
+    """``environment/<name>``: each metric of the environment (Environment.metrics) averaged over the
+    episodes of every rank that report it. A collective: the ranks agree on the names first."""
+    names: set[str] = {n for s in samples if s.episode and s.episode.metrics for n in s.episode.metrics}
+    everyone: list[set[str]] = [set()] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, names)
+    agreed = sorted(set().union(*everyone))
+    sums = RankSums([*agreed, *(f"{n}/episodes" for n in agreed)])
+    for metrics in (s.episode.metrics for s in samples if s.episode and s.episode.metrics):
+        for name, value in metrics.items():
+            sums.add(**{name: value, f"{name}/episodes": 1})
+    total = sums.reduced()
+    return {f"environment/{n}": total.mean(n, over=f"{n}/episodes") for n in agreed}

@@ -2,7 +2,7 @@
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (the format chat templates with
 ``tools=`` render, e.g. Qwen's and Hermes'), each call is run and its result is the observation; a
 turn without a call ends the episode. A malformed call is answered with an observation saying what
-is wrong, never an exception.
+is wrong, never an exception; an episode's calls and errors are its metrics.
 
 Built-in tools: ``calculator`` (``{"expression": "12 * (3 + 4)"}``): arithmetic on numbers with
 ``+ - * / // % **`` and parentheses, evaluated from its syntax tree (no ``eval``); ``python``
@@ -77,11 +77,21 @@ class ToolEnvironment(Environment):
 
     tools: ClassVar[dict[str, Callable[..., str]]] = {"calculator": calculator, "python": python}
 
+    def __init__(self) -> None:
+        self.calls, self.errors = 0, 0
+
     def step(self, text: str) -> tuple[str | None, float | None, bool]:
         calls = TOOL_CALL.findall(text)
         if not calls:
             return None, None, True
-        return "\n".join(self.run(call) for call in calls), None, False
+        results = [self.run(call) for call in calls]
+        self.calls += len(results)
+        self.errors += sum(r.startswith("error: ") for r in results)
+        return "\n".join(results), None, False
+
+    def metrics(self) -> dict[str, float]:
+        """``tool_calls`` and ``tool_errors`` (malformed calls, unknown tools, failed runs) of the episode."""
+        return {"tool_calls": self.calls, "tool_errors": self.errors}
 
     def run(self, call: str) -> str:
         """One call's result, or the error the policy is shown instead."""

@@ -3,8 +3,9 @@
 A plot none of whose keys was logged (or whose values are all non-finite) is left out.
 ``EXPECTED_PLOTS[kind]`` names the plots a complete run of a kind always has: every SFT and RM
 plot, and every PPO plot except ``win_rate.png`` and ``monitors.png``, which come from evaluation
-against the reference policy and so are missing from a run without eval prompts, and ``distill.png``,
-which only a run with a teacher (the ``distill`` section) has.
+against the reference policy and so are missing from a run without eval prompts, ``distill.png``,
+which only a run with a teacher (the ``distill`` section) has, and ``episodes.png``, which only a
+multi-turn run (``rollout.environment``) has.
 """
 
 from __future__ import annotations
@@ -155,8 +156,7 @@ class Plot(NamedTuple):
     file: str
     title: str
     draw: Callable[[Figure, Run], bool]
-    eval_only: bool = False
-    distill_only: bool = False  # drawn for a run with a teacher only
+    only: str | None = None  # drawn for some runs only: with "eval" prompts, a "distill" teacher, "episodes"
 
 
 PLOTS: dict[str, tuple[Plot, ...]] = {
@@ -185,7 +185,7 @@ PLOTS: dict[str, tuple[Plot, ...]] = {
             _lines("dpo/chosen_reward", "dpo/rejected_reward", "dpo/margin", "eval/margin", ylabel="reward", hline=0.0),
         ),
         Plot("logps.png", "Response log-probs", _lines("dpo/chosen_logp", "dpo/rejected_logp", ylabel="nats")),
-        Plot("kl.png", "KL to the reference (held-out)", _lines("eval/kl", ylabel="nats/token"), eval_only=True),
+        Plot("kl.png", "KL to the reference (held-out)", _lines("eval/kl", ylabel="nats/token"), only="eval"),
         Plot("lr_grad_norm.png", "Learning rate and gradient norm", plot_lr_grad_norm),
         Plot("throughput.png", "Throughput", _lines("timing/tokens_per_s", ylabel="tokens/s")),
     ),
@@ -218,13 +218,13 @@ PLOTS: dict[str, tuple[Plot, ...]] = {
             "win_rate.png",
             "Win rate vs reference",
             _lines("eval/win_rate", "eval/judge_win_rate*", ylabel="win rate", hline=0.5),
-            eval_only=True,
+            only="eval",
         ),
         Plot(
             "monitors.png",
             "Reward-hacking monitors",
             _lines("eval/length_ratio", "eval/repeated_ngram_frac", "eval/distinct_ratio"),
-            eval_only=True,
+            only="eval",
         ),
         Plot(
             "distill.png",
@@ -237,12 +237,19 @@ PLOTS: dict[str, tuple[Plot, ...]] = {
                 ylabel="nats/token",
                 hline=0.0,
             ),
-            distill_only=True,
+            only="distill",
+        ),
+        Plot(
+            "episodes.png",
+            "Multi-turn episodes: the policy's turns, the environment's counts (tool calls and their errors), "
+            "the observations' share of the tokens",
+            _lines("ppo/turns", "environment/*", "ppo/observation_share", ylabel="per episode / share"),
+            only="episodes",
         ),
     ),
     "unknown": (),
 }
-EXPECTED_PLOTS = {kind: [p.file for p in plots if not (p.eval_only or p.distill_only)] for kind, plots in PLOTS.items()}
+EXPECTED_PLOTS = {kind: [p.file for p in plots if p.only is None] for kind, plots in PLOTS.items()}
 
 
 def expected_plots(run_dir: str) -> list[str]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
 
+from engine.environments.episodes import episode_metrics
 from engine.ppo.collect import RolloutCollector
 from engine.ppo.engines import HybridEngine
 from engine.ppo.experience import make_experience
@@ -16,6 +17,7 @@ from engine.ppo.forwards import sequence_logprobs
 from engine.ppo.settings import ExperienceSettings, UpdateSettings
 from engine.ppo.update import update_on_rollout
 from engine.rollout.sampler import Sampler
+from engine.run import faults
 from engine.run.distributed import accelerator_memory_metrics, mean_over_ranks
 
 
@@ -55,6 +57,7 @@ class PPOIteration:
         engines, experience = self.engines, self.experience
         t0 = time.perf_counter()
         collected = self.collector.collect()
+        faults.kill_in_iteration(iteration + 1)  # 1-based, as logged
         t1 = time.perf_counter()
         exp, rollout_stats = make_experience(
             collected.rollout,
@@ -89,8 +92,11 @@ class PPOIteration:
         rollout_stats = mean_over_ranks(rollout_stats | self.sampler.take_metrics())
         rollout_stats["kl_per_token"] = rollout_stats["kl"] / max(rollout_stats["response_length"], 1.0)
         ppo = rollout_stats | collected.stats | train_stats
+        samples = collected.rollout.samples
+        if samples[0].episode is not None:  # every rank's samples are episodes, or none are (the config's)
+            ppo |= episode_metrics(samples)
         metrics = (
-            {k if k.startswith(("reward/", "distill/")) else f"ppo/{k}": v for k, v in ppo.items()}
+            {k if k.startswith(("reward/", "distill/", "environment/")) else f"ppo/{k}": v for k, v in ppo.items()}
             | {
                 "timing/generate_s": collected.generate_s,
                 "timing/rollout_wait_s": collected.wait_s,

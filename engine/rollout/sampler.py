@@ -28,6 +28,7 @@ class EpisodeOutcome(NamedTuple):
     turns: int  # the policy's turns
     error: str | None = None  # the environment's failure (then the episode stopped there)
     timed_out: bool = False
+    metrics: dict[str, float] | None = None  # the environment's counts when the episode ended (Environment.metrics)
 
 
 @dataclass(frozen=True)

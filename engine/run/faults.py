@@ -12,6 +12,8 @@ signatures carries a fault.
 - ``kill_in_checkpoint_at``: the step whose checkpoint save is cut by SIGKILL after the engine
   states are written and before the directory is renamed into place;
 - ``fail_checkpoint_write_at``: the step whose checkpoint save fails with "No space left on device";
+- ``kill_in_iteration_at``: the PPO iteration (1-based) in which the trainer is killed (SIGKILL) once
+  its rollout is collected, before its update (:func:`kill_in_iteration`);
 - ``kill_generating_rank_at``: the generation request (1-based) at which an async rollout's generating
   rank is killed (SIGKILL) before it answers (:func:`kill_generating_rank`);
 - ``no_namespaces``: ``true`` makes the code sandbox's probe find mode "none" only, as on a machine
@@ -70,6 +72,12 @@ def kill_in_checkpoint_at(step: int) -> bool:
 
 def fail_checkpoint_write_at(step: int) -> bool:
     return _faults().get("fail_checkpoint_write_at") == step
+
+
+def kill_in_iteration(iteration: int) -> None:
+    """SIGKILL this process in iteration ``kill_in_iteration_at``."""
+    if iteration == _faults().get("kill_in_iteration_at"):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def kill_generating_rank(generation: int) -> None:
