@@ -16,9 +16,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.data.chat import prompt_ids
 from engine.data.prompts import Prompt
+from engine.data.response_tokens import kl_penalty
 from engine.environments.episodes import EpisodeRunner, episode_scores
 from engine.environments.tools import ToolEnvironment
-from engine.data.response_tokens import kl_penalty
 from engine.ppo.experience import Experience, sampled_token_mask
 from engine.ppo.losses import aggregation_weights, gae, token_rewards
 from engine.ppo.settings import PolicyLossSettings
