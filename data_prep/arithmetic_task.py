@@ -110,21 +110,26 @@ def worked_answer(problem: Problem, rng: random.Random, correct: bool, offsets: 
     """One line per step and the answer line; when not ``correct``, the last step's result is off by
     one of ``offsets`` (one that keeps it non-negative; else by +1) and the answer follows it."""
     lines = [f"{left} {op} {right} = {result}" for left, op, right, result in problem.steps]
-    given = problem.answer
+    given = given_answer(problem, rng, correct, offsets)
     if not correct:
-        given = problem.answer + rng.choice([d for d in offsets if problem.answer + d >= 0] or [1])
         left, op, right, _ = problem.steps[-1]
         lines[-1] = f"{left} {op} {right} = {given}"
     return "\n".join([*lines, ANSWER_FORMAT.format(answer=given)])
 
 
+def given_answer(problem: Problem, rng: random.Random, correct: bool, offsets: Sequence[int]) -> int:
+    """The answer a demonstration gives: the right one, or off by one of ``offsets`` that keeps it
+    non-negative (else by +1)."""
+    if correct:
+        return problem.answer
+    return problem.answer + rng.choice([d for d in offsets if problem.answer + d >= 0] or [1])
+
+
 def tool_conversation(problem: Problem, rng: random.Random, correct: bool, offsets: Sequence[int]) -> list[dict]:
     """The problem solved with one calculator call: the call, the tool's result, the answer line (when
-    not ``correct``, off by one of ``offsets`` as in :func:`worked_answer`)."""
+    not ``correct``, off as :func:`given_answer` says)."""
     call = {"name": "calculator", "arguments": {"expression": problem.expression}}
-    given = problem.answer
-    if not correct:
-        given = problem.answer + rng.choice([d for d in offsets if problem.answer + d >= 0] or [1])
+    given = given_answer(problem, rng, correct, offsets)
     return [
         {"role": "user", "content": problem.text},
         {"role": "assistant", "content": f"<tool_call>{json.dumps(call)}</tool_call>"},

@@ -23,7 +23,8 @@ import torch
 from engine.data.chat import prompt_ids
 from engine.data.prompts import Prompt
 from engine.models.lora import adapters_disabled
-from engine.ppo.forwards import sequence_logprobs
+from engine.ppo.experience import sampled_token_mask
+from engine.ppo.forwards import pad_right, sequence_logprobs
 from engine.ppo.monitors import distinct_share, repeated_ngrams
 from engine.ppo.rewards import RewardScorer, SampledResponses, Scorers
 from engine.rollout.sampler import Sample, Sampler, SamplingSettings
@@ -136,22 +137,20 @@ class HeldOutEvaluator:
         return distinct_share([ids for part in gathered for ids in part], self.distinct_n)
 
     @torch.no_grad()
-    def sampled_kl(self, samples: list[Sample], actor, ref) -> torch.Tensor:
-        """(n,) KL(policy || ref) of each response, summed over its tokens (k1 estimate), both
-        sampling at the rollout's temperature (the responses' distribution); ``ref`` the reference, or
-        a distillation run's teacher."""
-        sequences = [s.prompt_ids + s.response_ids for s in samples]
-        lens = [len(s.prompt_ids) for s in samples]
-        logprobs = lambda model: sequence_logprobs(
+    def sampled_logprobs(self, samples: list[Sample], model) -> torch.Tensor:
+        """(n, T) each response's token log-probs under ``model`` sampling at the rollout's temperature
+        (the responses' distribution), 0 at a multi-turn episode's observations and the padding."""
+        logprobs = sequence_logprobs(
             model,
-            sequences,
-            lens,
+            [s.prompt_ids + s.response_ids for s in samples],
+            [len(s.prompt_ids) for s in samples],
             self.max_tokens,
             self.tokenizer.pad_token_id,
             self.share_prompts,
             self.settings.temperature,
         )
-        return torch.stack([(a - r).sum() for a, r in zip(logprobs(actor), logprobs(ref))]).double()
+        T = max(len(lp) for lp in logprobs)
+        return pad_right(logprobs, T) * sampled_token_mask(samples, T)
 
     def evaluate(
         self, sampler: Sampler, actor, ref, sample_rows: int, teacher=None
@@ -161,9 +160,13 @@ class HeldOutEvaluator:
         assert self.reference is not None, "sample_reference first"
         sampled = self.respond(sampler, self.settings.temperature, POLICY_SEED, judged=True)
         greedy = self.respond(sampler, 0.0, POLICY_SEED)
-        kl = self.sampled_kl(sampled.samples, actor, ref)
+        # KL(policy || reference), and distilling KL(policy || teacher), of each response: k1, summed over its tokens
+        policy = self.sampled_logprobs(sampled.samples, actor)
+        kl = (policy - self.sampled_logprobs(sampled.samples, ref)).sum(1).double()
         teacher_kl = (
-            [("distill_kl", self.sampled_kl(sampled.samples, actor, teacher).sum())] if teacher is not None else []
+            [("distill_kl", (policy - self.sampled_logprobs(sampled.samples, teacher)).sum())]
+            if teacher is not None
+            else []
         )
         repeated, total = map(sum, zip(*(repeated_ngrams(s.response_ids, self.ngram) for s in sampled.samples)))
         ref = self.reference

@@ -159,8 +159,10 @@ def gathered(exp: Experience) -> Experience:
     torch.distributed.all_gather_object(parts, exp)
     T = max(e.mask.shape[1] for e in parts)
     pad = lambda t: torch.nn.functional.pad(t, (0, T - t.shape[1])) if t.dim() == 2 else t
-    fields = {
-        f: torch.cat([pad(getattr(e, f)) for e in parts]) for f in vars(exp) if f not in ("sequences", "prompt_lens")
+    fields = {  # the tensors (a distillation run's teacher: none here)
+        f: torch.cat([pad(getattr(e, f)) for e in parts])
+        for f in vars(exp)
+        if f not in ("sequences", "prompt_lens", "teacher")
     }
     return Experience([s for e in parts for s in e.sequences], [p for e in parts for p in e.prompt_lens], **fields)
 
