@@ -22,12 +22,12 @@ def config(ppo: dict | None = None, **rollout) -> PPOConfig:
     )
 
 
-def test_the_gap_limit_holds_where_every_sample_comes_from_the_last_sync():
+def test_the_gap_limit_holds_where_the_measured_samples_come_from_the_last_sync():
     assert SamplerGapLimit.from_config(config()) == SamplerGapLimit(0.01)  # rollout.sync_check_tolerance
     assert SamplerGapLimit.from_config(config(sync_check_tolerance=0.05)) == SamplerGapLimit(0.05)
     assert SamplerGapLimit.from_config(config(mode="async")) == SamplerGapLimit(None)  # its own sync check
     grpo = {"advantage_estimator": "grpo"}
-    assert SamplerGapLimit.from_config(config(grpo, dynamic_sampling=True)) == SamplerGapLimit(None)
+    assert SamplerGapLimit.from_config(config(grpo, dynamic_sampling=True)) == SamplerGapLimit(0.01)  # fresh ones
     limit = SamplerGapLimit(0.01)
     for gap in (None, 2e-7, 1e-3, 0.01):  # not measured (the sampler's log-probs were the old ones), or within
         limit.check(gap, 3)

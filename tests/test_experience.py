@@ -112,7 +112,21 @@ def test_make_experience_equals_naive_padded_forwards(process_group, models):
     )
     assert stats["kl"] == 0.0 and stats["score"] == pytest.approx(scores.mean().item())
     assert stats["response_length"] == sum(RESPONSE_LENS) / 4 and stats["finished"] == 1.0
-    assert stats["sampler_logprob_gap"] > 0  # the samples carry made-up (zero) sampler log-probs
+    # The samples carry made-up (zero) sampler log-probs: the gap is the actor's log-probs; samples that waited
+    # from an earlier iteration (dynamic sampling) are not the last sync's, and count in no gap.
+    assert stats["sampler_gap_sum"] == pytest.approx(-exp.old_logprobs[exp.mask].sum().item(), rel=1e-5)
+    assert stats["sampler_gap_tokens"] == sum(RESPONSE_LENS)
+    rollout = replace(scored(batch, prompts, scorer, tokenizer), earlier=2)
+    _, fresh = make_experience(
+        rollout,
+        engines(actor, critic, scorer),
+        tokenizer.pad_token_id,
+        SETTINGS,
+        kl_coef=0.5,
+        old_logprobs_from_sampler=False,
+    )
+    assert fresh["sampler_gap_sum"] == pytest.approx(-exp.old_logprobs[2:][exp.mask[2:]].sum().item(), rel=1e-5)
+    assert fresh["sampler_gap_tokens"] == sum(RESPONSE_LENS[2:])
 
 
 def test_truncated_responses_can_be_masked_out_of_the_loss(process_group, models):
@@ -154,7 +168,7 @@ def test_old_logprobs_from_the_sampler_skip_the_actor_forward(process_group, mod
     )
     for i, s in enumerate(batch):  # no actor forward ran (actor=None): the sampler's log-probs, padded
         assert exp.old_logprobs[i, : len(s.logprobs)].tolist() == pytest.approx(s.logprobs)
-    assert "sampler_logprob_gap" not in stats  # nothing to measure it against
+    assert "sampler_gap_sum" not in stats  # nothing to measure it against
     assert torch.equal(exp.is_weights, exp.mask.float()) and "is_weight" not in stats  # no ppo.rollout_correction
 
 

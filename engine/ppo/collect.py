@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -49,6 +49,7 @@ class Rollout:
     prompts: list[Prompt]  # prompts[i]: sample i's prompt
     scores: torch.Tensor  # (B,)
     parts: dict[str, torch.Tensor]  # each (B,): reward/<name> for the logs
+    earlier: int = 0  # the first ``earlier`` samples were drawn in an earlier iteration (dynamic sampling's waiting)
 
 
 class Collected(NamedTuple):
@@ -159,6 +160,7 @@ class RolloutCollector:
                 for g in new:
                     (kept if has_signal(g.scores) else dropped).append(g)
             batch, waiting, filled = fill_batch(kept, dropped, self.share)
+        earlier = sum(len(g.samples) for g in batch if any(g is w for w in self.waiting))
         self.draws, self.waiting = draws, waiting
         counts = self._counts(drawn, rounds, waiting, filled)
         rollout = Rollout(
@@ -166,6 +168,7 @@ class RolloutCollector:
             [self.prompts[g.prompt] for g in batch for _ in g.samples],
             torch.cat([g.scores for g in batch]),
             {k: torch.cat([g.parts[k] for g in batch]) for k in batch[0].parts},
+            earlier,
         )
         tokens = counts.pop("generated_tokens")
         stats = {"staleness": timing["staleness"]} | counts
@@ -251,13 +254,13 @@ class RolloutCollector:
         for draw, (generation, asked_at) in sorted(self.asked.items()):
             samples, generate_s = generation.result()
             self.asked[draw] = (Generated(samples, generate_s), asked_at)
-            samples_dicts = [[asdict(s) for s in group] for group in samples]
+            samples_dicts = [[s.state() for s in group] for group in samples]
             asked.append({"draw": draw, "asked_at": asked_at, "samples": samples_dicts, "generate_s": generate_s})
         return {
             "draws": self.draws,
             "asked": asked,
             "waiting": [
-                {"prompt": g.prompt, "samples": [asdict(s) for s in g.samples], "scores": g.scores, "parts": g.parts}
+                {"prompt": g.prompt, "samples": [s.state() for s in g.samples], "scores": g.scores, "parts": g.parts}
                 for g in self.waiting
             ],
         }
@@ -265,9 +268,13 @@ class RolloutCollector:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.draws = state["draws"]
         self.asked = {  # what was asked for after the checkpoint is dropped (a rollback)
-            a["draw"]: (Generated([[Sample(**s) for s in g] for g in a["samples"]], a["generate_s"]), a["asked_at"])
+            a["draw"]: (
+                Generated([[Sample.from_state(s) for s in g] for g in a["samples"]], a["generate_s"]),
+                a["asked_at"],
+            )
             for a in state.get("asked", [])
         }
         self.waiting = [
-            Group(g["prompt"], [Sample(**s) for s in g["samples"]], g["scores"], g["parts"]) for g in state["waiting"]
+            Group(g["prompt"], [Sample.from_state(s) for s in g["samples"]], g["scores"], g["parts"])
+            for g in state["waiting"]
         ]

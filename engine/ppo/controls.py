@@ -31,17 +31,15 @@ class SamplerGapLimit:
     iteration's mean per-token |sampler - actor| log-prob gap (``ppo/sampler_logprob_gap``, agreed over
     the ranks) above ``tolerance`` means the sampler does not compute the actor's model (a broken weight
     sync), and the run stops (:class:`WeightSyncFailed`: a checkpoint, exit 2). ``tolerance`` None: no
-    limit; an async rollout's samples and dynamic sampling's waiting groups come from earlier weights, so
-    their gap also holds the updates since."""
+    limit; an async rollout's samples come from earlier weights, so their gap also holds the updates since
+    (dynamic sampling's groups that waited from an earlier iteration count in no gap: engine/ppo/experience.py)."""
 
     tolerance: float | None
 
     @classmethod
     def from_config(cls, cfg: PPOConfig) -> SamplerGapLimit:
-        """``rollout.sync_check_tolerance`` when every sample comes from the weights of the last sync."""
-        rollout = cfg.rollout
-        current = rollout.mode == "colocated" and not rollout.dynamic_sampling
-        return cls(rollout.sync_check_tolerance if current else None)
+        """``rollout.sync_check_tolerance`` when the measured samples come from the weights of the last sync."""
+        return cls(cfg.rollout.sync_check_tolerance if cfg.rollout.mode == "colocated" else None)
 
     def check(self, gap: float | None, iteration: int) -> None:
         """Stop on 1-based ``iteration``'s ``gap`` (None: not measured, the old log-probs were the

@@ -16,7 +16,7 @@ import torch
 from engine.data.response_tokens import kl_penalty
 from engine.ppo.distill import TeacherLogprobs, distill_stats, teacher_logprobs, with_distillation
 from engine.ppo.forwards import pad_right, sequence_logprobs, sequence_values
-from engine.ppo.losses import estimate_advantages, masked_mean, token_rewards
+from engine.ppo.losses import estimate_advantages, token_rewards
 from engine.ppo.monitors import within_prompt_diversity
 from engine.ppo.rollout_correction import policy_loss_weights
 from engine.ppo.settings import ExperienceSettings
@@ -191,8 +191,10 @@ def make_experience(
     if episodes:  # multi-turn: the policy's turns and the share of response tokens that are observations
         stats["turns"] = sum(e.turns for e in episodes) / len(episodes)
         stats["observation_share"] = 1 - mask.sum().item() / max(sum(len(s.response_ids) for s in samples), 1)
-    if not old_logprobs_from_sampler:
-        stats["sampler_logprob_gap"] = masked_mean((sampler_logprobs - old_logprobs).abs(), mask).item()
+    if not old_logprobs_from_sampler:  # over the samples of the last sync's weights: not the ones that waited
+        now = slice(rollout.earlier, None)
+        stats["sampler_gap_sum"] = ((sampler_logprobs - old_logprobs)[now].abs() * mask[now]).sum().item()
+        stats["sampler_gap_tokens"] = mask[now].sum().item()
     return exp, stats
 
 

@@ -91,6 +91,9 @@ class PPOIteration:
         t4 = time.perf_counter()
         rollout_stats = mean_over_ranks(rollout_stats | self.sampler.take_metrics())
         rollout_stats["kl_per_token"] = rollout_stats["kl"] / max(rollout_stats["response_length"], 1.0)
+        gap_sum, gap_tokens = rollout_stats.pop("sampler_gap_sum", 0.0), rollout_stats.pop("sampler_gap_tokens", 0.0)
+        if gap_tokens > 0:  # per token over every rank's samples of the last sync's weights
+            rollout_stats["sampler_logprob_gap"] = gap_sum / gap_tokens
         ppo = rollout_stats | collected.stats | train_stats
         samples = collected.rollout.samples
         if samples[0].episode is not None:  # every rank's samples are episodes, or none are (the config's)

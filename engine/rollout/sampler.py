@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
@@ -40,6 +40,15 @@ class Sample:
     # Multi-turn: [start, end) spans of response_ids that are the environment's observations (not sampled)
     observations: list[tuple[int, int]] = field(default_factory=list)
     episode: EpisodeOutcome | None = None
+
+    def state(self) -> dict[str, Any]:
+        """The sample as plain values (a checkpoint loads only those: engine/run/checkpoint.py)."""
+        return {**asdict(self), "episode": self.episode._asdict() if self.episode else None}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Sample:
+        episode = state["episode"]
+        return cls(**{**state, "episode": EpisodeOutcome(**episode) if episode else None})
 
 
 @dataclass(frozen=True)
