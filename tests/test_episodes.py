@@ -73,7 +73,7 @@ class RecordingSampler(HFSampler):
 
 
 @pytest.fixture
-def policy(tiny_model_dir, tmp_path, monkeypatch):
+def policy(process_group, tiny_model_dir, tmp_path, monkeypatch):
     """The tiny model with its EOS logit raised (turns of a few tokens), and the environments' module."""
     (tmp_path / "my_env.py").write_text(textwrap.dedent(ENVIRONMENTS))
     monkeypatch.chdir(tmp_path)

@@ -21,7 +21,7 @@ from engine.data.chat import PROBE
 from engine.rewards.components import ComponentScores
 from engine.rewards.pool import Call, Outcome, RewardPool
 from engine.rollout.sampler import EpisodeOutcome, Sample, Sampler, SamplingSettings
-from engine.run.distributed import RankSums
+from engine.run.distributed import RankSums, all_reduce
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -170,9 +170,9 @@ class EpisodeRunner:
                 if len(e.response) + len(appended) < limit:  # room for the observation and a turn
                     e.add_observation(appended)
                     going.append(e)
-            if not going:
+            if not any_rank(bool(going)):  # the ranks sample each turn together (a sampler shared by ranks)
                 break
-            room = max(limit - len(e.response) for e in going)
+            room = max((limit - len(e.response) for e in going), default=1)
             turns = sampler.generate(
                 [e.prompt + e.response for e in going],
                 SamplingSettings(1, sampling.temperature, sampling.top_p, room),
@@ -202,6 +202,11 @@ class EpisodeRunner:
 
     def close(self) -> None:
         self.pool.close()
+
+
+def any_rank(going: bool) -> bool:
+    """Whether any rank of the process group has episodes going (a collective)."""
+    return bool(all_reduce(torch.tensor([int(going)]), op=torch.distributed.ReduceOp.MAX).item())
 
 
 def episode_scores(samples: Sequence[Sample], fallback: float) -> ComponentScores:

@@ -8,7 +8,8 @@ process group DeepSpeed created; it must be built *after* the DeepSpeed engines.
 Tensor parallelism (``tensor_parallel_size`` k > 1): each group of k consecutive ranks shares one
 vLLM engine, every rank holding a shard. The ranks of a group must submit the same requests, so
 :meth:`VLLMSampler.generate` gathers the group's prompts and seeds and runs one call per member,
-in rank order, each seeded as that member would be without TP: the rollout equals the k = 1 one.
+in rank order, each seeded (and with the settings) as that member would be without TP: the rollout
+equals the k = 1 one.
 """
 
 from __future__ import annotations
@@ -122,10 +123,10 @@ class VLLMSampler(Sampler):
         self._wake()
         if self.tp_group is None:
             return self._generate(prompts, settings, request_seed)
-        requests: list[Any] = [None] * torch.distributed.get_world_size(self.tp_group)  # (prompts, seed) per member
-        torch.distributed.all_gather_object(requests, (list(prompts), request_seed), group=self.tp_group)
+        requests: list[Any] = [None] * torch.distributed.get_world_size(self.tp_group)  # each member's call
+        torch.distributed.all_gather_object(requests, (list(prompts), settings, request_seed), group=self.tp_group)
         mine = torch.distributed.get_rank(self.tp_group)
-        return [self._generate(p, settings, seed) for p, seed in requests][mine]
+        return [self._generate(*request) for request in requests][mine]
 
     def _generate(
         self, prompts: Sequence[list[int]], settings: SamplingSettings, request_seed: int

@@ -89,11 +89,6 @@ class RolloutSection(Config):
             raise ConfigError(
                 "'mode' async runs one vLLM engine on ranks of its own: it needs sampler vllm and no dynamic_sampling"
             )
-        if self.environment and (self.mode == "async" or self.tensor_parallel_size > 1):
-            raise ConfigError(
-                "'environment' episodes run with a colocated sampler of one rank (mode colocated, "
-                "tensor_parallel_size 1)"
-            )
         if self.tensor_parallel_size > 1 and self.sampler != "vllm":
             raise ConfigError(
                 f"'tensor_parallel_size' {self.tensor_parallel_size} needs sampler vllm "
