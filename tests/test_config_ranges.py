@@ -328,3 +328,34 @@ def test_nucleus_sampling_is_refused_by_name():
         ).rollout.temperature
         == 0.7
     )
+
+
+GKD_DATASET = MINIMAL[PPOConfig] | {
+    "distill": {"teacher": "t", "mode": "gkd", "lmbda": 0.5},
+    "ppo": {"advantage_estimator": "grpo"},
+    "rollout": {"samples_per_prompt": 4},
+}
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("ppo.advantage_estimator", "gae", "with ppo.advantage_estimator gae the critic would learn their returns"),
+        ("rollout.dynamic_sampling", True, "rollout.dynamic_sampling would drop their groups"),
+        ("rollout.environment", {"name": "m:E"}, "rollout.environment's episodes have none"),
+        ("ppo.old_logprobs_from", "sampler", "ppo.old_logprobs_from sampler has no sampler log-probs for them"),
+        ("distill.mode", "reverse_kl", "distill: 'lmbda': mode gkd's; mode reverse_kl reads none of them"),
+        (
+            "distill",
+            {"teacher": "t", "mode": "gkd", "response_field": "answer"},
+            "distill: 'response_field' (answer): read only with lmbda < 1",
+        ),
+    ],
+)
+def test_dataset_responses_refuse_what_cannot_train_on_them(key, value, message):
+    """distill.lmbda < 1 (GKD's dataset responses on some iterations) with what needs sampled ones."""
+    assert build_config(PPOConfig, GKD_DATASET, source="run.json").distill.lmbda == 0.5
+    with pytest.raises(ConfigError) as refused:
+        build_config(PPOConfig, with_value(GKD_DATASET, key, value), source="run.json")
+    assert message in str(refused.value)
+    assert "distill.lmbda (0.5) < 1" in str(refused.value) or key.startswith("distill")

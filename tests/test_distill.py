@@ -1,8 +1,10 @@
 """On-policy distillation (the ``distill`` section of train/train_ppo.py): the teacher's log-probs and
 top-k of a rollout and the actor's GKD term against naive whole-sequence forwards
-(engine/ppo/distill.py, engine/ppo/update.py); end to end on the tiny model, the teacher refused by
-name before any model loads, the dry run's teacher, and one run whose teacher is the student itself,
-resumed. (The formulas: tests/test_distill_losses.py; the chunked head: tests/test_lm_head.py.)"""
+(engine/ppo/distill.py, engine/ppo/update.py); end to end on the tiny model, the teacher and GKD's
+dataset responses refused by name before any model loads, the dry run's teacher, one run whose
+teacher is the student itself, resumed, and one GKD run with dataset responses (lmbda < 1). (The
+formulas: tests/test_distill_losses.py; the draw and the dataset responses' ids:
+tests/test_dataset_responses.py; the chunked head: tests/test_lm_head.py.)"""
 
 from __future__ import annotations
 
@@ -10,13 +12,17 @@ import json
 import shutil
 from dataclasses import replace
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from helpers import assert_repeats, launch, metric_series, run_script, write_ppo_config
 from safetensors.torch import load_file
+from transformers import AutoTokenizer
 
 from data_prep import make_tiny_model
 from engine.config import ConfigError, load_config
+from engine.data.errors import DataFileError
 from engine.data.packing import pack_sequences
 from engine.data.prompts import Prompt
 from engine.models.loading import load_causal_lm
@@ -27,6 +33,7 @@ from engine.ppo.distill_losses import reverse_kl_advantages, top_k_jsd
 from engine.ppo.engines import HybridEngine
 from engine.ppo.experience import Experience, make_experience
 from engine.ppo.forwards import pad_right
+from engine.ppo.inputs import load_fitting_prompts
 from engine.ppo.losses import PolicyLoss
 from engine.ppo.settings import ExperienceSettings, GaeSettings, PolicyLossSettings, UpdateSettings
 from engine.ppo.update import actor_forward, actor_token_loss
@@ -48,10 +55,7 @@ def distill_config(path, actor, teacher, data, output_dir, **overrides):
         rollout__temperature=0.7,
         ppo__advantage_estimator="grpo",
         ppo__mini_batch_size=32,
-        train__iterations=ITERATIONS,
-        train__eval_every=EVERY,
-        checkpoint__every_steps=EVERY,
-        **overrides,
+        **{"train__iterations": ITERATIONS, "train__eval_every": EVERY, "checkpoint__every_steps": EVERY} | overrides,
     )
     config = json.loads(path.read_text())
     del config["reward_model"]
@@ -60,9 +64,21 @@ def distill_config(path, actor, teacher, data, output_dir, **overrides):
     return path
 
 
+def with_responses(data, out):
+    """``data``'s prompt files in ``out``, each training prompt with a dataset response (``response``:
+    the chosen response of one of its pairs)."""
+    chosen = {json.dumps(p["prompt"]): p["chosen"] for p in pq.read_table(data / "train.parquet").to_pylist()}
+    prompts = pq.read_table(data / "prompts_train.parquet")
+    responses = pa.array([chosen[json.dumps(p)] for p in prompts.column("prompt").to_pylist()])
+    out.mkdir()
+    pq.write_table(prompts.append_column("response", responses), out / "prompts_train.parquet")
+    shutil.copy(data / "prompts_validation.parquet", out)
+    return out
+
+
 def test_a_teacher_is_refused_by_name_before_any_model_loads(tiny_model_dir, rm_data, tmp_path):
-    """Another tokenizer, and GKD with dataset responses (lmbda < 1): exit 2, the key named, no
-    traceback; the dry run prices the teacher."""
+    """Another tokenizer, and GKD's dataset responses (lmbda < 1) with mode reverse_kl or from a prompt
+    file without them: exit 2, the key named, no traceback; the dry run prices the teacher."""
     other = tmp_path / "other"
     (tmp_path / "text.jsonl").write_text(json.dumps({"text": "a wholly other corpus of words " * 50}) + "\n")
     assert make_tiny_model.main(["--text", str(tmp_path / "text.jsonl"), "--out", str(other), "--num-layers", "1"]) == 0
@@ -73,9 +89,12 @@ def test_a_teacher_is_refused_by_name_before_any_model_loads(tiny_model_dir, rm_
     assert "Traceback" not in refused.stderr and not (tmp_path / "run").exists()
 
     config = distill_config(tmp_path / "gkd.json", tiny_model_dir, tiny_model_dir, rm_data, tmp_path / "run")
-    refused = run_script("train_ppo.py", config, "--distill.mode", "gkd", "--distill.lmbda", "0.5")
-    assert refused.returncode == 2 and "distill: 'lmbda' (0.5): only 1 is supported" in refused.stderr
+    refused = run_script("train_ppo.py", config, "--distill.lmbda", "0.5")
+    assert refused.returncode == 2 and "distill: 'lmbda': mode gkd's; mode reverse_kl reads none" in refused.stderr
     assert "Traceback" not in refused.stderr
+    gkd = load_config(PPOConfig, str(config), ["--distill.mode", "gkd", "--distill.lmbda", "0.5"])
+    with pytest.raises(DataFileError, match=r"missing column\(s\) \['response'\]; distill.response_field reads 'res"):
+        load_fitting_prompts(gkd.data.prompts, AutoTokenizer.from_pretrained(tiny_model_dir), gkd, rank=0)
 
     with pytest.raises(ConfigError, match=r"distill: 'beta', 'top_k': mode gkd's; mode reverse_kl reads none"):
         load_config(PPOConfig, str(config), ["--distill.beta", "0.3", "--distill.top_k", "8"])
@@ -119,6 +138,30 @@ def test_the_student_as_its_own_teacher_learns_nothing_logs_distillation_and_res
     for key in ("distill/teacher_logprob", "distill/reverse_kl", "ppo/response_length", "ppo/entropy"):
         assert_repeats(metric_series(resumed, key), metric_series(run, key), range(3, ITERATIONS + 1), key)
     assert_repeats(metric_series(resumed, "eval/distill/reverse_kl"), held_out)
+
+
+def test_gkd_with_lmbda_below_1_trains_on_dataset_responses_on_the_iterations_drawn(tiny_model_dir, rm_data, tmp_path):
+    """GKD with lmbda 0.5 (seed 0 draws iterations 1 and 3 from the dataset, 2 sampled), the student
+    as its own teacher, no reward: a dataset iteration's samples are the prompt file's responses,
+    each prompt's 4 alike and finished, nothing generated, no policy gradient (pg_loss 0) and no
+    sampler gap; the sampled iteration generates; at the start the JSD and the reverse KL to the
+    teacher are 0 up to rounding (the teacher is the actor; the update's forward packs otherwise)."""
+    data = with_responses(rm_data, tmp_path / "data")
+    config = distill_config(
+        tmp_path / "ppo.json", tiny_model_dir, tiny_model_dir, data, tmp_path / "run", distill__mode="gkd",
+        distill__lmbda=0.5, train__iterations=3, train__eval_every=0, checkpoint__every_steps=0,
+    )  # fmt: skip
+    launch("train_ppo.py", config)
+    rows = {r["step"]: r for r in read_records(str(tmp_path / "run" / "metrics.jsonl")) if "ppo/finished" in r}
+    assert {i: r["distill/on_policy"] for i, r in rows.items()} == {1: 0.0, 2: 1.0, 3: 0.0}
+    for i in (1, 3):
+        r = rows[i]
+        assert r["ppo/finished"] == 1.0 and r["ppo/distinct_within_prompt"] == 0.25, r  # 4 copies of one response
+        assert r["ppo/pg_loss"] == 0.0 and r["timing/generated_tokens_per_s"] == 0.0, r
+        assert "ppo/sampler_logprob_gap" not in r and r["ppo/response_length"] < 24, r
+    assert rows[2]["timing/generated_tokens_per_s"] > 0 and "ppo/sampler_logprob_gap" in rows[2]
+    assert rows[2]["ppo/finished"] < 1 and rows[2]["ppo/distinct_within_prompt"] > 0.25
+    assert abs(rows[1]["distill/jsd"]) < 1e-6 and abs(rows[1]["distill/reverse_kl"]) < 1e-6
 
 
 def test_teacher_top_k_and_the_gkd_term_equal_naive_whole_sequence_forwards(

@@ -38,6 +38,7 @@ from engine.ppo.evaluation import HeldOutEvaluator, held_out_eval
 from engine.ppo.inputs import (
     check_models,
     code_sandbox,
+    dataset_responses,
     episode_runner,
     load_fitting_prompts,
     reward_components,
@@ -72,6 +73,7 @@ def main() -> int:
             f"{cfg.data.prompts}: {len(prompts)} usable prompts, fewer than rollout.prompts_per_iteration="
             f"{cfg.rollout.prompts_per_iteration}"
         )
+    responses = dataset_responses(cfg, prompts, tokenizer)  # distill.lmbda < 1: the dataset's, tokenised
     components = reward_components(cfg)
     episodes = episode_runner(cfg, tokenizer)
     sandbox = code_sandbox(components)  # its isolation, probed (and "none" refused unless allowed) by the check
@@ -120,7 +122,7 @@ def main() -> int:
     scorers = build_scorers(cfg, engines, tokenizers, components)
     sampler = build_sampler(cfg, engines.actor, tokenizer, rank, split)
     value_weights = critic_value_weights(cfg, scorers.run.reward_model)
-    collector = RolloutCollector.for_run(cfg, prompts, sampler, scorers.run, tokenizer, episodes)
+    collector = RolloutCollector.for_run(cfg, prompts, sampler, scorers.run, tokenizer, episodes, responses)
     run.track("rollout", collector, rolls_back=True)  # the prompt position and the groups waiting
     evaluator = (
         HeldOutEvaluator(

@@ -27,6 +27,7 @@ from engine.run.distributed import RankSums, all_reduce
 if TYPE_CHECKING:
     from engine.data.prompts import Prompt
     from engine.environments.episodes import EpisodeRunner
+    from engine.ppo.dataset_responses import DatasetResponses
     from engine.ppo.rewards import RewardScorer
     from engine.run_config import PPOConfig
 
@@ -50,6 +51,7 @@ class Rollout:
     scores: torch.Tensor  # (B,)
     parts: dict[str, torch.Tensor]  # each (B,): reward/<name> for the logs
     earlier: int = 0  # the first ``earlier`` samples were drawn in an earlier iteration (dynamic sampling's waiting)
+    on_policy: bool = True  # False: the dataset's responses (distill.lmbda < 1), not sampled
 
 
 class Collected(NamedTuple):
@@ -98,9 +100,13 @@ class RolloutCollector:
         ahead: int = 0,
         last_draw: int | None = None,
         episodes: EpisodeRunner | None = None,
+        responses: DatasetResponses | None = None,
     ):
-        """``episodes``: multi-turn rollouts with an environment (else one response per sample)."""
+        """``episodes``: multi-turn rollouts with an environment (else one response per sample);
+        ``responses``: the dataset's, taken instead of samples on the draws they say (distill.lmbda < 1;
+        one draw per iteration then, no dynamic sampling)."""
         self.prompts, self.per_draw, self.seed, self.episodes = prompts, prompts_per_iteration, seed, episodes
+        self.responses = responses
         self.sampler, self.sampling, self.scorer, self.tokenizer = sampler, sampling, scorer, tokenizer
         self.max_rounds = max_rounds  # None: no dynamic sampling
         self.ahead = ahead  # draws asked for beyond the one collected (an async rollout's max_staleness)...
@@ -122,9 +128,10 @@ class RolloutCollector:
         scorer: RewardScorer,
         tokenizer,
         episodes: EpisodeRunner | None = None,
+        responses: DatasetResponses | None = None,
     ):
         """The collector of ``cfg``: its sampling settings, dynamic sampling's rounds, the async rollout's
-        draws asked for ahead (up to the run's last), its episodes' runner."""
+        draws asked for ahead (up to the run's last), its episodes' runner, the dataset's responses."""
         rollout = cfg.rollout
         ahead = rollout.max_staleness if rollout.mode == "async" else 0
         return cls(
@@ -139,6 +146,7 @@ class RolloutCollector:
             ahead,
             cfg.train.iterations - 1 if ahead else None,
             episodes,
+            responses,
         )
 
     def collect(self) -> Collected:
@@ -146,8 +154,10 @@ class RolloutCollector:
         samples' and the actor's); with dynamic sampling also ``kept_share``
         (groups with signal / groups drawn, all
         ranks), ``generation_rounds``, ``filled_groups`` (dropped groups trained for want of others),
-        ``waiting_groups`` and ``sampled_score`` (mean over every sample drawn, kept or not). A
-        collective. Nothing changes when scoring raises (the iteration repeats on resume)."""
+        ``waiting_groups`` and ``sampled_score`` (mean over every sample drawn, kept or not); with the
+        dataset's responses ``distill/on_policy`` (1: sampled, 0: the dataset's). A collective. Nothing
+        changes when scoring raises (the iteration repeats on resume)."""
+        on_policy = self.responses is None or self.responses.on_policy(self.draws)  # one draw per iteration then
         draws, rounds, timing = self.draws, 0, {"generate_s": 0.0, "wait_s": 0.0, "score_s": 0.0, "staleness": 0.0}
         if self.max_rounds is None:
             batch, draws, rounds = self._draw(draws, timing), draws + 1, 1
@@ -169,9 +179,12 @@ class RolloutCollector:
             torch.cat([g.scores for g in batch]),
             {k: torch.cat([g.parts[k] for g in batch]) for k in batch[0].parts},
             earlier,
+            on_policy,
         )
-        tokens = counts.pop("generated_tokens")
+        tokens = counts.pop("generated_tokens") if on_policy else 0.0  # the dataset's: none generated
         stats = {"staleness": timing["staleness"]} | counts
+        if self.responses is not None:
+            stats["distill/on_policy"] = float(on_policy)
         return Collected(rollout, timing["generate_s"], timing["wait_s"], timing["score_s"], tokens, stats)
 
     def _short_anywhere(self, kept: int) -> bool:
@@ -191,7 +204,7 @@ class RolloutCollector:
         last = draw + self.ahead if self.last_draw is None else min(draw + self.ahead, self.last_draw)
         for d in range(draw, last + 1):
             if d not in self.asked:
-                self.asked[d] = (self._submit(self._indices(d), d * self.world + self.rank), draw)
+                self.asked[d] = (self._submit(self._indices(d), d), draw)
         generation, asked_at = self.asked.pop(draw)
         groups, generate_s = generation.result()
         self.sampler.sleep()  # GPU: its memory goes to the scoring, experience forwards and training
@@ -212,9 +225,13 @@ class RolloutCollector:
             for k, i in enumerate(indices)
         ]
 
-    def _submit(self, indices: list[int], seed: int) -> PendingSamples:
-        """Ask for the samples of prompts ``indices`` (episodes: sampled now)."""
+    def _submit(self, indices: list[int], draw: int) -> PendingSamples:
+        """Ask for draw ``draw``'s samples of prompts ``indices`` (episodes, or the dataset's responses:
+        made now)."""
         ids = [prompt_ids(self.tokenizer, self.prompts[i].messages) for i in indices]
+        if self.responses is not None and not self.responses.on_policy(draw):
+            return Generated(self.responses.samples(ids, indices, self.sampling.n), 0.0)
+        seed = draw * self.world + self.rank
         if self.episodes is None:
             return self.sampler.submit(ids, self.sampling, seed)
         t0 = time.perf_counter()

@@ -104,7 +104,9 @@ def make_experience(
     the importance ratio of the actor's over the sampler's log-probs, truncated or masked
     (engine/ppo/rollout_correction.py).
     ``settings.distill``: a fourth forward, the teacher's log-probs (engine/ppo/distill.py), and in
-    reverse_kl mode each token's reverse-KL advantage added to the estimator's.
+    reverse_kl mode each token's reverse-KL advantage added to the estimator's. ``rollout.on_policy``
+    False (the dataset's responses, engine/ppo/dataset_responses.py): every advantage 0 (GKD's term
+    alone trains), no sampler log-probs (the rollout correction's weights 1, no gap measured).
     ``settings.share_prompts``: the samples of a prompt compute it once in each forward (where the
     model's attention allows).
     ``settings.values_from_update``: no critic forward here; the first critic step computes the
@@ -157,6 +159,8 @@ def make_experience(
         )
     )
     advantages = with_distillation(advantages, old_logprobs, teacher, mask, settings.distill)
+    if not rollout.on_policy:  # the dataset's responses (distill.lmbda < 1): no sampler, no policy gradient
+        sampler_logprobs, advantages = old_logprobs, torch.zeros_like(advantages)
     is_weights, correction_stats = policy_loss_weights(
         settings.rollout_correction, old_logprobs, sampler_logprobs, mask
     )  # (B, T)
@@ -191,7 +195,7 @@ def make_experience(
     if episodes:  # multi-turn: the policy's turns and the share of response tokens that are observations
         stats["turns"] = sum(e.turns for e in episodes) / len(episodes)
         stats["observation_share"] = 1 - mask.sum().item() / max(sum(len(s.response_ids) for s in samples), 1)
-    if not old_logprobs_from_sampler:  # over the samples of the last sync's weights: not the ones that waited
+    if not old_logprobs_from_sampler and rollout.on_policy:  # over the samples of the last sync's weights
         now = slice(rollout.earlier, None)
         stats["sampler_gap_sum"] = ((sampler_logprobs - old_logprobs)[now].abs() * mask[now]).sum().item()
         stats["sampler_gap_tokens"] = mask[now].sum().item()

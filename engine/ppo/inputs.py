@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from engine.data.chat import Message, rerendering_difference, shares_template
 from engine.data.prompts import Prompt, load_prompts, prompts_that_fit
 from engine.environments.episodes import EpisodeRunner, TemplateCannotObserve
+from engine.ppo.dataset_responses import DatasetResponses
 from engine.rewards.code_tests import check_column
 from engine.rewards.components import RewardComponents, RewardsConfigError
 from engine.rewards.sandbox import describe_isolation
@@ -31,14 +32,17 @@ from engine.run_config.rewards import RewardsSection
 
 def load_fitting_prompts(path: str, tokenizer, cfg: PPOConfig, rank: int, held_out: bool = False) -> list[Prompt]:
     """The prompts of ``path``, with the columns the rewards read (``held_out``: the judge's too; the
-    code reward's tests must parse), that leave room for a response of rollout.max_new_tokens within
-    a micro-batch and, with vLLM, its context (the others are dropped and counted)."""
+    code reward's tests must parse; else with distill.lmbda < 1 the dataset responses' column), that
+    leave room for a response of rollout.max_new_tokens within a micro-batch and, with vLLM, its
+    context (the others are dropped and counted)."""
     room = min(
         cfg.ppo.max_tokens_per_micro_batch, cfg.rollout.vllm_max_model_len if cfg.rollout.sampler == "vllm" else 1 << 62
     )
     judge = cfg.judge.rewards if held_out else None
     environment = cfg.rollout.environment
     columns = dict.fromkeys(environment.fields, "rollout.environment.fields") if environment else {}
+    if cfg.distill is not None and cfg.distill.lmbda < 1 and not held_out:
+        columns[cfg.distill.response_field] = "distill.response_field"
     prompts = load_prompts(path, columns | cfg.rewards.fields() | (judge.fields("judge.rewards") if judge else {}))
     for code in (c for c in (cfg.rewards.code, judge and judge.code) if c):
         check_column(path, code.field, [p.fields[code.field] for p in prompts])
@@ -50,6 +54,22 @@ def load_fitting_prompts(path: str, tokenizer, cfg: PPOConfig, rank: int, held_o
             "rollout.vllm_max_model_len, less rollout.max_new_tokens)"
         )
     return prompts
+
+
+def dataset_responses(cfg: PPOConfig, prompts: Sequence[Prompt], tokenizer) -> DatasetResponses | None:
+    """The training prompts' dataset responses, tokenised, with distill.lmbda < 1 (else None)."""
+    distill = cfg.distill
+    if distill is None or distill.lmbda == 1:
+        return None
+    return DatasetResponses(
+        cfg.data.prompts,
+        prompts,
+        distill.response_field,
+        tokenizer,
+        cfg.rollout.max_new_tokens,
+        distill.lmbda,
+        cfg.train.seed,
+    )
 
 
 class Tokenizers(NamedTuple):

@@ -108,7 +108,9 @@ class PPOIteration:
                 "timing/train_s": t3 - t2,
                 "timing/sync_s": t4 - t3,
                 "timing/iteration_s": t4 - t0,
-                "timing/generated_tokens_per_s": collected.generated_tokens / collected.generate_s,
+                "timing/generated_tokens_per_s": collected.generated_tokens / collected.generate_s
+                if collected.generate_s
+                else 0.0,  # an iteration of the dataset's responses (distill.lmbda < 1) generates none
             }
             | accelerator_memory_metrics()
         )

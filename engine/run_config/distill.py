@@ -1,5 +1,6 @@
 """The ``distill`` section of a PPO run: on-policy distillation from a frozen teacher model into the
-actor, on the actor's own samples (the formulas: engine/ppo/distill_losses.py)."""
+actor, on the actor's own samples, and with GKD's ``lmbda`` < 1 on the dataset's responses too (the
+formulas: engine/ppo/distill_losses.py; the draw: engine/ppo/dataset_responses.py)."""
 
 from __future__ import annotations
 
@@ -28,20 +29,26 @@ class DistillSection(Config):
     )
     lmbda: float = option(
         1.0,
-        "gkd: the share of sequences sampled by the actor (on-policy); only 1 is supported (no dataset responses)",
+        "gkd: the probability that an iteration's responses are sampled by the actor (on-policy); the other "
+        "iterations take the prompt file's response_field column (the dataset's responses), with no policy gradient",
         ge=0,
         le=1,
+    )
+    response_field: str = option(
+        "response",
+        "gkd with lmbda < 1: the prompt file's column holding each prompt's dataset response (text), e.g. written by "
+        "data_prep/prepare_prompts.py --fields response",
     )
     top_k: int = option(
         32, "gkd: the teacher's likeliest tokens per position the JSD is taken over (the rest: one bucket)", ge=1
     )
 
     def check(self) -> None:
-        unread = sorted(self.model_fields_set & {"beta", "lmbda", "top_k"}) if self.mode == "reverse_kl" else []
+        gkd_only = {"beta", "lmbda", "response_field", "top_k"}
+        unread = sorted(self.model_fields_set & gkd_only) if self.mode == "reverse_kl" else []
         if unread:
             raise ConfigError(f"{', '.join(map(repr, unread))}: mode gkd's; mode reverse_kl reads none of them")
-        if self.lmbda != 1:
+        if self.lmbda == 1 and "response_field" in self.model_fields_set:
             raise ConfigError(
-                f"'lmbda' ({self.lmbda:g}): only 1 is supported, every sequence sampled by the actor (on-policy); "
-                "mixing in dataset responses (lmbda < 1) is not implemented"
+                f"'response_field' ({self.response_field}): read only with lmbda < 1 (dataset responses); lmbda is 1"
             )

@@ -253,6 +253,28 @@ class PPOConfig(Config):
             )
         if self.rollout.prompts_per_iteration * self.rollout.samples_per_prompt % self.ppo.mini_batch_size:
             raise ConfigError(self._mini_batch_rule())
+        if self.distill is not None and self.distill.lmbda < 1:
+            self._check_dataset_responses(self.distill.lmbda)
+
+    def _check_dataset_responses(self, lmbda: float) -> None:
+        """What an iteration of the dataset's responses (distill.lmbda < 1: no sampler, no policy
+        gradient, one response per prompt) cannot go with."""
+        why = f"distill.lmbda ({lmbda:g}) < 1: some iterations train on the dataset's responses, not sampled ones"
+        for broken, conflict in (
+            (
+                self.has_critic(),
+                f"with ppo.advantage_estimator {self.ppo.advantage_estimator} the critic would learn their returns as "
+                "the actor's: set grpo, rloo or reinforce_pp",
+            ),
+            (self.rollout.dynamic_sampling, "rollout.dynamic_sampling would drop their groups (alike): set it false"),
+            (self.rollout.environment is not None, "rollout.environment's episodes have none: drop one"),
+            (
+                self.ppo.old_logprobs_from == "sampler",
+                "ppo.old_logprobs_from sampler has no sampler log-probs for them: set actor",
+            ),
+        ):
+            if broken:
+                raise ConfigError(f"{why}; {conflict}")
 
     def has_critic(self) -> bool:
         """GAE needs a critic; a critic-free ppo.advantage_estimator builds, trains and saves none."""
