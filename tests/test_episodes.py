@@ -135,6 +135,7 @@ def test_episodes_continue_by_ids_and_a_one_turn_environment_samples_a_single_tu
             ).join(["<|im_end|>\n", ""])
     mask = sampled_token_mask(samples, max(len(s.response_ids) for s in samples))
     assert mask.sum().item() == sum(len(s.response_ids) - sum(e - b for b, e in s.observations) for s in samples)
+    assert mask.sum(1).tolist() == [s.sampled_length for s in samples]  # the length metrics' and penalty's count
 
     one_step = EpisodeRunner(EnvironmentSection(name="my_env:OneStep"), tokenizer, import_timeout_s=60)
     try:

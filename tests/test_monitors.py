@@ -45,8 +45,14 @@ def held_out(responses: list[list[int]], win_rate: float) -> dict[str, float]:
     }
 
 
-def rollout(score: float, entropy: float, diversity: float, kl: float) -> dict[str, float]:
-    return {"ppo/score": score, "ppo/entropy": entropy, "ppo/distinct_within_prompt": diversity, "ppo/kl_per_token": kl}
+def rollout(score: float, entropy: float, diversity: float, kl: float, length: float = 10.0) -> dict[str, float]:
+    return {
+        "ppo/score": score,
+        "ppo/entropy": entropy,
+        "ppo/distinct_within_prompt": diversity,
+        "ppo/kl_per_token": kl,
+        "ppo/response_length": length,
+    }
 
 
 def test_ngram_measures():
@@ -109,6 +115,26 @@ def test_a_collapsed_policy_is_flagged_at_its_iterations_and_evaluations():
     restored = HackingMonitor(LIMITS)
     restored.load_state_dict(monitor.state_dict())
     assert restored == monitor and restored.raised[-1] == ("diversity_collapse", 6)
+
+
+def test_the_rollout_s_length_is_checked_against_the_first_iteration_s_in_both_directions():
+    """A policy lengthening its samples is flagged while it runs, before any held-out evaluation; the
+    last LENGTH_WINDOW (5) iterations' lengths are averaged."""
+    monitor = HackingMonitor(LIMITS)
+    kinds = lambda step, length: [f.kind for f in monitor.check_iteration(step, rollout(0.4, 2.9, 0.8, 0.01, length))]
+    assert kinds(1, 8.0) == [] and monitor.first_length == 8.0  # the starting policy's length
+    assert kinds(2, 16.0) == []  # (8 + 16) / 2 = 1.5x: at the limit, not above it
+    [flag] = monitor.check_iteration(3, rollout(0.9, 2.9, 0.8, 0.01, 16.0))
+    assert (
+        flag.kind == "monitor/rollout_length_growth"
+        and "1.67x the first iteration's length (limit 1.5)" in flag.message
+    )
+    assert kinds(4, 16.0) == []  # still holding
+    # The window [8, 16, 16, 16, 1] ... [1, 1, 1, 1, 1]: 1.43x, 1.25x, 0.88x, 0.5x (at the limit), 0.12x.
+    assert [kinds(step, 1.0) for step in range(5, 10)] == [[], [], [], [], ["monitor/rollout_length_collapse"]]
+    restored = HackingMonitor(LIMITS)
+    restored.load_state_dict(monitor.state_dict())
+    assert restored == monitor and restored.first_length == 8.0
 
 
 def test_a_judge_disagreeing_with_the_run_s_score_is_flagged():

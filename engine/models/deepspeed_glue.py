@@ -205,7 +205,7 @@ def save_hf_model(
     ``out_dir`` holds a complete model at every moment but one rename.
     """
     lora = isinstance(engine.module, PeftModel)
-    engine.empty_partition_cache()  # ZeRO-3: no parameter left in flight by a forward (engine/rollout/weight_sync.py)
+    release_gathered_parameters(engine)
     state = merged_state_dict(engine.module) if lora else full_state_dict(engine)
     adapter = full_state_dict(engine, trained_only=True) if lora else None
     if torch.distributed.get_rank() == 0:
@@ -234,3 +234,12 @@ def scale_learning_rate(engine, factor: float) -> None:
     scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
     for group in scheduler.optimizer.param_groups:
         group["lr"] *= factor
+
+
+def release_gathered_parameters(engine) -> None:
+    """ZeRO-3: partition again every parameter a forward left gathered or in flight, so that a
+    gather (the weight sync, a save) starts from none. DeepSpeed's ``engine.empty_partition_cache()``
+    does this and then runs ``gc.collect()``, a walk of every Python object of a process holding vLLM
+    that frees nothing here: without it a tiny model's weight sync took 0.34 s instead of 0.58 s (medians)."""
+    if hasattr(engine.optimizer, "empty_partition_cache"):  # ZeRO-3's optimizer, or its offload for a frozen engine
+        engine.optimizer.empty_partition_cache()

@@ -65,11 +65,8 @@ class ReferenceView:
     def __init__(self, actor_engine: Any):
         self.actor_engine = actor_engine
         self.module = actor_engine.module
+        self.optimizer = actor_engine.optimizer  # its partitioned parameters are the actor's (the weight sync)
 
     def __call__(self, **inputs):
         with adapters_disabled(self.module):
             return self.actor_engine(**inputs)
-
-    def empty_partition_cache(self) -> None:
-        """Release the gathered parameters (the weight sync, engine/rollout/weight_sync.py)."""
-        self.actor_engine.empty_partition_cache()

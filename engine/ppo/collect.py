@@ -244,7 +244,7 @@ class RolloutCollector:
         scores = torch.cat([g.scores for g in drawn])
         sums = RankSums(["tokens", "groups", "signal", "filled", "waiting", "score", "samples"])
         sums.add(
-            tokens=sum(len(s.response_ids) for g in drawn for s in g.samples),
+            tokens=sum(s.sampled_length for g in drawn for s in g.samples),
             groups=len(drawn),
             signal=sum(has_signal(g.scores) for g in drawn),
             filled=filled,

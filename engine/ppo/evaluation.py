@@ -74,7 +74,7 @@ class Responses:
 
     @property
     def lengths(self) -> torch.Tensor:
-        return torch.tensor([len(s.response_ids) for s in self.samples], dtype=torch.float64)
+        return torch.tensor([s.sampled_length for s in self.samples], dtype=torch.float64)
 
 
 class HeldOutEvaluator:

@@ -3,8 +3,9 @@
 Two kinds of check, with the thresholds of the config's ``monitors`` section:
 
 * every iteration, on the rollout: the policy's entropy, and the distinct n-grams among a prompt's
-  samples, collapsing below a share of the first iteration's; KL per token far above the run's KL
-  level (:meth:`MonitorLimits.from_config`);
+  samples, collapsing below a share of the first iteration's; the mean response length of the last
+  iterations against the first iteration's (the starting policy's), in both directions; KL per token
+  far above the run's KL level (:meth:`MonitorLimits.from_config`);
 * at each held-out evaluation: response length against the reference's, in both directions;
   repeated n-grams; distinct n-grams across prompts against the reference's; the training reward
   rising while the held-out win rate against the reference falls; the judge (scores the policy is
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
 
 KL_LEVEL_FACTOR = 4.0  # "far above" the KL ceiling or target
 DEFAULT_KL_PER_TOKEN_MAX = 0.5  # without a ceiling, target or explicit limit
+# Iterations whose rollout lengths are averaged for the length check: one rollout's mean is noisy (the
+# demo's 64 samples moved it by up to 1.6x for a single iteration while the policy was not gaming length).
+LENGTH_WINDOW = 5
 
 
 def repeated_ngrams(ids: Sequence[int], n: int) -> tuple[int, int]:
@@ -94,6 +98,8 @@ class HackingMonitor:
     limits: MonitorLimits
     first_entropy: float | None = None
     first_diversity: float | None = None
+    first_length: float | None = None  # the first iteration's mean response length: the starting policy's
+    recent_lengths: list[float] = field(default_factory=list)  # the last LENGTH_WINDOW iterations'
     last_train_reward: float | None = None
     last_win_rate: float | None = None
     last_eval_step: int = 0
@@ -120,7 +126,8 @@ class HackingMonitor:
 
     def check_iteration(self, step: int, metrics: dict[str, float]) -> list[Flag]:
         """After iteration ``step``, on its ppo/* metrics (score, entropy, distinct_within_prompt,
-        kl_per_token): entropy and sample diversity against the first iteration's, KL per token."""
+        response_length, kl_per_token): entropy and sample diversity against the first iteration's, the
+        mean response length of the last LENGTH_WINDOW iterations against it, KL per token."""
         self.train_scores.append(metrics["ppo/score"])
         limits, conditions = self.limits, {}
         entropy, diversity = metrics.get("ppo/entropy"), metrics["ppo/distinct_within_prompt"]
@@ -138,6 +145,19 @@ class HackingMonitor:
             f"distinct n-grams among a prompt's samples {diversity:.3f}, below {limits.diversity_min_share:.0%} of "
             f"the first iteration's {self.first_diversity:.3f}"
             if diversity < limits.diversity_min_share * self.first_diversity
+            else None
+        )
+        self.recent_lengths = [*self.recent_lengths, metrics["ppo/response_length"]][-LENGTH_WINDOW:]
+        self.first_length = self.recent_lengths[0] if self.first_length is None else self.first_length
+        ratio = sum(self.recent_lengths) / len(self.recent_lengths) / max(self.first_length, 1e-9)
+        conditions["rollout_length_growth"] = (
+            f"sampled responses are {ratio:.2f}x the first iteration's length (limit {limits.length_ratio_max})"
+            if ratio > limits.length_ratio_max
+            else None
+        )
+        conditions["rollout_length_collapse"] = (
+            f"sampled responses are {ratio:.2f}x the first iteration's length (limit {limits.length_ratio_min})"
+            if ratio < limits.length_ratio_min
             else None
         )
         kl = metrics["ppo/kl_per_token"]

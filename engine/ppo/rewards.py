@@ -139,7 +139,7 @@ class RewardScorer:
             heads = self.reward_model.score(responses)  # (B, C)
             parts |= {f"reward/rm_{c}": heads[:, i] for i, c in enumerate(self.reward_model.heads)}
             total = total + self.reward_model.total(heads)
-        lengths = [len(s.response_ids) for s in samples]
+        lengths = [s.sampled_length for s in samples]  # the policy's tokens: observations out
         scores = self._components(ScoringBatch(responses.prompts, responses.texts, lengths, responses.fields), samples)
         for name, s in scores.items():
             parts[f"reward/{name}"] = s.values

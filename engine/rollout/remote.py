@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.models.deepspeed_glue import release_gathered_parameters
 from engine.models.hf_weights import hf_weight_buckets, ties_embeddings
 from engine.rollout.sampler import ActorLogprobs, Sample, Sampler, SamplingSettings
 from engine.run.distributed import SplitWorld, all_reduce
@@ -258,7 +259,7 @@ class RemoteSampler(Sampler):
     def sync_weights(self, engine: DeepSpeedEngine) -> None:
         """Send ``engine``'s model (every trainer rank calls it: ZeRO-3 gathers); vLLM loads it after the
         requests made before. Its check is read with the next answer."""
-        engine.empty_partition_cache()  # see engine/rollout/weight_sync.push_weights_to_vllm
+        release_gathered_parameters(engine)  # see engine/rollout/weight_sync.push_weights_to_vllm
         self.loads += 1
         self._request({"kind": "weights", "load": self.loads, "tied": ties_embeddings(engine.module)})
         self.link.send_weights(self.loads, hf_weight_buckets(engine.module), sender=self.rank == 0)

@@ -41,6 +41,11 @@ class Sample:
     observations: list[tuple[int, int]] = field(default_factory=list)
     episode: EpisodeOutcome | None = None
 
+    @property
+    def sampled_length(self) -> int:
+        """The response tokens the policy sampled: a multi-turn episode's observations out."""
+        return len(self.response_ids) - sum(end - start for start, end in self.observations)
+
     def state(self) -> dict[str, Any]:
         """The sample as plain values (a checkpoint loads only those: engine/run/checkpoint.py)."""
         return {**asdict(self), "episode": self.episode._asdict() if self.episode else None}

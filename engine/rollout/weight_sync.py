@@ -25,6 +25,7 @@ from collections.abc import Iterable
 import torch
 from deepspeed import DeepSpeedEngine
 
+from engine.models.deepspeed_glue import release_gathered_parameters
 from engine.models.hf_weights import hf_weight_buckets, ties_embeddings
 
 
@@ -34,7 +35,7 @@ def push_weights_to_vllm(engine: DeepSpeedEngine, llm) -> None:
     # ZeRO-3: a forward without backward (generate, an experience or held-out forward) can leave
     # parameters it prefetched gathered or in flight; a bucket's gather must start from none (a
     # parameter in flight would reach vLLM empty: bench/real_arch_probe.py, Llama-3 shape).
-    engine.empty_partition_cache()
+    release_gathered_parameters(engine)
     load_into_vllm(llm, hf_weight_buckets(engine.module), ties_embeddings(engine.module))
 
 

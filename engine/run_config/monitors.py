@@ -16,10 +16,16 @@ class MonitorSection(Config):
         "evaluation (rollback; needs guards.rollback_drop), or a checkpoint and exit 3 (stop)",
     )
     length_ratio_max: float = option(
-        1.5, "flag when mean held-out response length / the reference's exceeds this", gt=0
+        1.5,
+        "flag when the mean response length exceeds this times the reference's (held out) or the first "
+        "iteration's (rollout)",
+        gt=0,
     )
     length_ratio_min: float = option(
-        0.5, "flag when mean held-out response length / the reference's is below this", gt=0
+        0.5,
+        "flag when the mean response length is below this times the reference's (held out) or the first "
+        "iteration's (rollout)",
+        gt=0,
     )
     repeated_ngram_max: float = option(
         0.3, "flag when the fraction of repeated n-grams in held-out responses exceeds this", ge=0, le=1
