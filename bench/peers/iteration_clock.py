@@ -19,8 +19,9 @@ class IterationClock(TrainerCallback):
         self.stamps.append(time.perf_counter())
 
 
-def train_and_print_step_seconds(trainer: Trainer, clock: IterationClock) -> None:
-    """``trainer.train()``, then ``{"iteration_seconds": [...]}``: the seconds of each step."""
+def train_and_print_step_seconds(trainer: Trainer, clock: IterationClock, **extra: list[float]) -> None:
+    """``trainer.train()``, then ``{"iteration_seconds": [...], **extra}``: the seconds of each step
+    and ``extra``'s figures (filled during training)."""
     clock.stamps = [time.perf_counter()]
     trainer.train()
-    print(json.dumps({"iteration_seconds": [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]}))
+    print(json.dumps({"iteration_seconds": [b - a for a, b in zip(clock.stamps, clock.stamps[1:])], **extra}))

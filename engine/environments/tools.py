@@ -7,7 +7,9 @@ is wrong, never an exception; an episode's calls and errors are its metrics.
 Built-in tools: ``calculator`` (``{"expression": "12 * (3 + 4)"}``): arithmetic on numbers with
 ``+ - * / // % **`` and parentheses, evaluated from its syntax tree (no ``eval``); ``python``
 (``{"code": "print(2 ** 10)"}``): a program run in the code sandbox (engine/rewards/sandbox.py,
-refused where it cannot isolate), whose output is the result.
+refused where it cannot isolate, within :data:`PYTHON_LIMITS`), whose output is the result. Their
+docstrings are in the form transformers' ``get_json_schema`` reads (an ``Args:`` section), so they can
+be passed as ``tools=`` to a chat template or a trainer that renders one.
 """
 
 from __future__ import annotations
@@ -51,7 +53,11 @@ def _evaluate(node: ast.AST) -> float | int:
 
 
 def calculator(expression: str) -> str:
-    """The value of an arithmetic ``expression`` (an int where it is a whole number)."""
+    """The value of an arithmetic expression (an int where it is a whole number).
+
+    Args:
+        expression: numbers with + - * / // % ** and parentheses, e.g. 12 * (3 + 4)
+    """
     value = _evaluate(ast.parse(expression, mode="eval").body)
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
@@ -61,7 +67,11 @@ MAX_RESULT_CHARS = 2000
 
 
 def python(code: str) -> str:
-    """What ``code`` printed, run in the sandbox within :data:`PYTHON_LIMITS`; or how it failed."""
+    """What a Python program printed, run in a sandbox; or how it failed.
+
+    Args:
+        code: the program
+    """
     try:
         run = run_program(code, limits=PYTHON_LIMITS)
     except UnisolatedError:
