@@ -14,8 +14,8 @@ Preference rows ``{"prompt", "chosen", "rejected", "label"}`` pair two responses
 whose true scores differ, labelled as a careless annotator would (:func:`label_pair`): a
 ``--length-share`` of pairs by "the longer list wins" (``label`` "length"; by the rule where both
 are as long), the others by the rule, flipped with probability ``--noise`` ("flipped", else
-"rule"). A reward model trained on a few hundred of them is right on roughly two held-out pairs
-in three and prefers longer lists: a spurious preference the true score does not share.
+"rule"). The labels agree with the rule on about 79% of pairs and favour longer lists: a spurious
+preference the true score does not share.
 Demonstrations for supervised fine-tuning are drawn the same way without regard to the rule, as
 data_prep/synthetic_task.py's are. Deterministic by seed.
 """
