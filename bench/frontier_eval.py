@@ -1,12 +1,12 @@
-"""The frontier's measure, the same for every trainer: a policy's true score on the demo's synthetic
-task and its KL per token to the SFT model, from its samples on held-out prompts.
+"""The frontier's measure, the same for every trainer: a policy's true score on a synthetic task (the
+demo's or the list task's) and its KL per token to the SFT model, from its samples on held-out prompts.
 
     python bench/frontier_eval.py --policy DIR --sft DIR --prompts runs/demo/data/prompts_validation.parquet
-                                  [--samples-per-prompt 16] [--max-new-tokens 24] [--seed 0]
+                                  [--task demo|lists] [--samples-per-prompt 16] [--max-new-tokens 24] [--seed 0]
 
 Each held-out prompt gets K responses (HF ``generate``, temperature 1, ended by the tokenizer's EOS
-or the token limit). The true score is data_prep/synthetic_task.py's rule (helpful + harmless) on
-the decoded text; no reward model is involved. The KL per token is
+or the token limit). The true score is the task's rule (:func:`true_scorer`) on the decoded text;
+no reward model is involved. The KL per token is
 ``sum over samples of (log pi - log pi_sft)(response) / sum of response tokens``: the Monte-Carlo
 estimate of KL(pi || pi_sft) of whole responses on the policy's own samples, per token, both
 log-probs from a forward of the sequence (not the sampler's). Prints one JSON line.
@@ -18,10 +18,12 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Callable
 
 import torch
+from frontier_tasks import TASKS
 
-from data_prep.synthetic_task import prompt_topic, total_score
+from data_prep import list_task, synthetic_task
 from engine.data.chat import prompt_ids
 from engine.data.prompts import load_prompts
 from engine.models.loading import load_causal_lm
@@ -29,6 +31,14 @@ from engine.ppo.forwards import sequence_logprobs
 from engine.rollout.sampler import HFSampler, Sample, SamplingSettings
 from engine.run.distributed import init_distributed
 from engine.run.preflight import load_tokenizer
+
+
+def true_scorer(task: str) -> Callable[[str, str], float]:
+    """``score(response, prompt)``: the task's true rule (no reward model): the demo's helpful +
+    harmless, or the list task's share of distinct words of the asked category."""
+    if task == "lists":
+        return lambda response, prompt: list_task.true_score(response, list_task.prompt_category(prompt))
+    return lambda response, prompt: float(synthetic_task.total_score(response, synthetic_task.prompt_topic(prompt)))
 
 
 def sampled(policy, tokenizer, prompts: list[list[int]], settings: SamplingSettings, seed: int) -> list[Sample]:
@@ -59,6 +69,7 @@ def main() -> int:
     parser.add_argument("--policy", required=True, help="HF model directory of the trained policy")
     parser.add_argument("--sft", required=True, help="HF model directory of the SFT policy it started from")
     parser.add_argument("--prompts", required=True, help="held-out prompts of the synthetic task (parquet)")
+    parser.add_argument("--task", choices=TASKS, default="demo", help="whose true rule scores the samples")
     parser.add_argument("--samples-per-prompt", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--seed", type=int, default=0)
@@ -69,10 +80,11 @@ def main() -> int:
     policy, sft = (load_causal_lm(path).eval() for path in (args.policy, args.sft))
     settings = SamplingSettings(n=args.samples_per_prompt, temperature=1.0, max_new_tokens=args.max_new_tokens)
     samples = sampled(policy, tokenizer, [prompt_ids(tokenizer, p.messages) for p in prompts], settings, args.seed)
-    topics = [prompt_topic(p.messages[-1]["content"]) for p in prompts for _ in range(args.samples_per_prompt)]
+    score = true_scorer(args.task)
+    asked = [p.messages[-1]["content"] for p in prompts for _ in range(args.samples_per_prompt)]
     scores = [
-        total_score(str(tokenizer.decode(s.response_ids, skip_special_tokens=True)), topic)
-        for s, topic in zip(samples, topics)
+        score(str(tokenizer.decode(s.response_ids, skip_special_tokens=True)), prompt)
+        for s, prompt in zip(samples, asked)
     ]
     print(
         json.dumps(

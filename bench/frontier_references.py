@@ -5,7 +5,7 @@ Model Overoptimization").
     python bench/frontier_references.py --sft DIR --reward-model DIR --prompts prompts_validation.parquet
                                        [--samples-per-prompt 128] [--ns 1 2 4 8 16 32 64 128]
                                        [--betas 2 1 0.5 0.3 0.2 0.1 0.05] [--ensemble DIR ...]
-                                       [--uncertainty-penalties 1.0] [--seed 0]
+                                       [--uncertainty-penalties 1.0] [--task demo|lists] [--seed 0]
 
 Each held-out prompt gets M samples from the SFT model (bench/frontier_eval.py's sampling), scored
 by the reward model (its standardised weighted total, as PPO reads it) and by the task's rule. The
@@ -28,9 +28,9 @@ import math
 import sys
 
 import torch
-from frontier_eval import sampled
+from frontier_eval import sampled, true_scorer
+from frontier_tasks import TASKS
 
-from data_prep.synthetic_task import prompt_topic, total_score
 from engine.data.chat import prompt_ids
 from engine.data.prompts import load_prompts
 from engine.models.loading import load_causal_lm, load_value_model
@@ -104,6 +104,7 @@ def main() -> int:
         "--uncertainty-penalties", type=float, nargs="+", default=[1.0], help="lambda of mean - lambda std"
     )
     parser.add_argument("--prompts", required=True, help="held-out prompts of the synthetic task (parquet)")
+    parser.add_argument("--task", choices=TASKS, default="demo", help="whose true rule scores the samples")
     parser.add_argument("--samples-per-prompt", type=int, default=128)
     parser.add_argument("--ns", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
     parser.add_argument("--betas", type=float, nargs="+", default=[2.0, 1.0, 0.5, 0.3, 0.2, 0.1, 0.05])
@@ -134,9 +135,8 @@ def main() -> int:
         rewards[f"mean of {len(members)}"] = stacked.mean(0)
         for penalty in args.uncertainty_penalties:  # uncertainty-weighted optimisation (Coste et al. 2023)
             rewards[f"mean - {penalty:g} std of {len(members)}"] = stacked.mean(0) - penalty * stacked.std(0)
-    true = torch.tensor([total_score(t, prompt_topic(p[-1]["content"])) for t, p in zip(texts, messages)]).view(
-        len(prompts), m
-    )
+    score = true_scorer(args.task)
+    true = torch.tensor([score(t, p[-1]["content"]) for t, p in zip(texts, messages)]).view(len(prompts), m)
     length = torch.tensor([len(s.response_ids) for s in samples]).view(len(prompts), m)
     for name, rm in rewards.items():
         for n in args.ns:

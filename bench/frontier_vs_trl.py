@@ -1,14 +1,16 @@
 """The reward-KL frontier: true score against KL to the SFT model, train/train_ppo.py vs TRL 1.12's PPOTrainer.
 
-    python bench/frontier_vs_trl.py [--work runs/frontier] [--kl-coefs 0.005 0.02 0.05 0.1 0.3 1.0]
+    python bench/frontier_vs_trl.py [--task demo|lists] [--work runs/frontier] [--kl-coefs 0.005 0.02 0.05 0.1 0.3 1.0]
                                     [--seeds 0 1 2] [--iterations 40] [--variant LABEL=OVERRIDES ...]
                                     [--no-trl] [--report-only] [--plot PATH] [--peer-venv bench/.peer-trl112]
 
 The demo's synthetic task (data_prep/synthetic_task.py knows its rule): the demo's SFT model and
-reward model (``make demo``'s stages, run once into WORK/demo), then per fixed KL coefficient and
-seed a PPO run from the SFT model on the demo's training prompts: 16 prompts x 4 samples x 24 new
-tokens per iteration, 2 mini-batches, one epoch, lr 3e-4, clip 0.2, GAE (gamma 1, lambda 0.95),
-value model from the reward model, the same prompts in the same order for both trainers.
+reward model (``make demo``'s stages, run once into WORK/demo); or ``--task lists``, the list task
+with its often wrong reward model (bench/frontier_tasks.py, built once into WORK/lists, where its
+runs are kept too). Then per fixed KL coefficient and seed a PPO run from the SFT model on the
+task's training prompts: 16 prompts x 4 samples x 24 new tokens per iteration, 2 mini-batches, one
+epoch, lr 3e-4, clip 0.2, GAE (gamma 1, lambda 0.95), value model from the reward model, the same
+prompts in the same order for both trainers.
 
 - ours: ds_configs/demo_ppo.json with ``ppo.kl_target`` null (a fixed coefficient), no evaluation,
   rollback or checkpoint; ``--variant LABEL=OVERRIDES`` adds a run set with train_ppo.py overrides
@@ -30,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import statistics
 import sys
@@ -38,6 +39,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from frontier_tasks import TASKS, task_models
 from ppo_vs_trl import prompts_in_draw_order, run_demo_ppo
 from rm_vs_trl import REPO, ensure_peer_venv, run
 
@@ -45,13 +47,6 @@ TRL_PPO_VERSION = "1.12.0"
 TRL = f"TRL {TRL_PPO_VERSION}"
 MATCHED_KL = (0.05, 0.15, 0.3)
 SAMPLES_PER_PROMPT, MINI_BATCHES, LR = 4, 2, 3e-4  # ds_configs/demo_ppo.json's
-
-
-def demo_models(work: Path) -> Path:
-    """The demo's data, SFT model and reward model under ``work`` (``make demo``'s stages; run once)."""
-    if not (work / "rm" / "model" / "reward_stats.json").exists():
-        run(["bash", "data_prep/run_demo.sh", str(work)], PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
-    return work
 
 
 def train_ours(demo: Path, out: Path, kl_coef: float, seed: int, iterations: int, overrides: list[str]) -> Path:
@@ -87,7 +82,7 @@ def train_trl(demo: Path, out: Path, kl_coef: float, seed: int, iterations: int,
     return out / "actor"
 
 
-def measure(demo: Path, policy: Path) -> dict:
+def measure(demo: Path, policy: Path, task: str) -> dict:
     """bench/frontier_eval.py's JSON line for ``policy``."""
     line = run(
         [
@@ -95,13 +90,14 @@ def measure(demo: Path, policy: Path) -> dict:
             "bench/frontier_eval.py",
             *("--policy", str(policy), "--sft", str(demo / "sft" / "model")),
             *("--prompts", str(demo / "data" / "prompts_validation.parquet"), "--samples-per-prompt", "32"),
+            *("--task", task),
         ],
         PYTHONPATH=str(REPO),
     ).splitlines()[-1]
     return json.loads(line)
 
 
-def reference_points(demo: Path, ensemble: list[str]) -> str:
+def reference_points(demo: Path, ensemble: list[str], task: str) -> str:
     """bench/frontier_references.py's JSON lines: best-of-n and the KL-regularised optimum (from SFT
     samples), by the reward model and, with ``ensemble`` (more reward models), by the members' mean."""
     out = run(
@@ -109,7 +105,7 @@ def reference_points(demo: Path, ensemble: list[str]) -> str:
             sys.executable,
             "bench/frontier_references.py",
             *("--sft", str(demo / "sft" / "model"), "--reward-model", str(demo / "rm" / "model")),
-            *("--prompts", str(demo / "data" / "prompts_validation.parquet")),
+            *("--prompts", str(demo / "data" / "prompts_validation.parquet"), "--task", task),
             *(["--ensemble", *ensemble] if ensemble else []),
         ],
         PYTHONPATH=str(REPO),
@@ -249,6 +245,9 @@ def plot_frontier(
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work", default=str(REPO / "runs" / "frontier"), help="kept between calls")
+    parser.add_argument(
+        "--task", choices=TASKS, default="demo", help="demo: make demo's; lists: data_prep/list_task.py"
+    )
     parser.add_argument("--kl-coefs", type=float, nargs="+", default=[0.005, 0.02, 0.05, 0.1, 0.3, 1.0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--iterations", type=int, default=40)
@@ -259,8 +258,8 @@ def main() -> int:
     parser.add_argument("--rm-ensemble", nargs="+", default=[], help="more reward models for the references")
     parser.add_argument("--peer-venv", default=str(REPO / "bench" / ".peer-trl112"))
     args = parser.parse_args()
-    work = Path(args.work).resolve()
-    demo = demo_models(work / "demo")
+    demo = task_models(args.task, Path(args.work).resolve() / args.task)
+    work = demo.parent if args.task == "demo" else demo  # the demo's runs beside its models, as before
     trainers: dict[str, list[str] | None] = {"ours": [], TRL: None}  # label -> overrides (None: TRL)
     trainers |= {v.split("=", 1)[0]: shlex.split(v.split("=", 1)[1]) for v in args.variant}
     runs_trl = not (args.no_trl or args.report_only)
@@ -279,12 +278,12 @@ def main() -> int:
                     else:
                         policy = train_ours(demo, out, coef, seed, args.iterations, overrides)
                     train_s = time.perf_counter() - t0
-                    result.write_text(json.dumps(measure(demo, policy) | {"train_s": train_s}))
+                    result.write_text(json.dumps(measure(demo, policy, args.task) | {"train_s": train_s}))
                 if result.exists():
                     results[label][coef, seed] = json.loads(result.read_text())
     references = work / f"references{'-ensemble' + str(len(args.rm_ensemble) + 1) if args.rm_ensemble else ''}.jsonl"
     if not references.exists():
-        references.write_text(reference_points(demo, args.rm_ensemble))
+        references.write_text(reference_points(demo, args.rm_ensemble, args.task))
     lines = [json.loads(line) for line in references.read_text().splitlines()]
     sft = next(p for p in lines if p.get("n") == 1)  # best-of-1: the SFT model's samples
     report(results, sft, reference_gains(lines, sft["score"]), Path(args.plot) if args.plot else None)
