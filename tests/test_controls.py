@@ -49,6 +49,7 @@ def test_a_colocated_run_stops_after_logging_an_iteration_whose_gap_is_above_the
         "ppo/score": 0.5,
         "ppo/kl": 0.2,
         "ppo/kl_per_token": 0.01,
+        "ppo/response_length": 12.0,
         "ppo/distinct_within_prompt": 0.9,
         "timing/iteration_s": 1.0,
     }
