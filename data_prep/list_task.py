@@ -1,6 +1,6 @@
 """A second synthetic task, for a reward model that is often wrong: lists of words of a category.
 
-    python -m data_prep.list_task --out pairs.jsonl [--num-pairs 600] [--noise 0.1] [--length-share 0.3] \
+    python -m data_prep.list_task --out pairs.jsonl [--num-pairs 600] [--noise 0.1] [--length-share 0.15] \
         [--seed 0] [--demonstrations-out demos.jsonl --num-demonstrations 2000]
 
 Each prompt asks for words of one category ("List some colours for Mia."); each response is a
@@ -14,7 +14,7 @@ Preference rows ``{"prompt", "chosen", "rejected", "label"}`` pair two responses
 whose true scores differ, labelled as a careless annotator would (:func:`label_pair`): a
 ``--length-share`` of pairs by "the longer list wins" (``label`` "length"; by the rule where both
 are as long), the others by the rule, flipped with probability ``--noise`` ("flipped", else
-"rule"). The labels agree with the rule on about 79% of pairs and favour longer lists: a spurious
+"rule"). The labels agree with the rule on about 84% of pairs and favour longer lists: a spurious
 preference the true score does not share.
 Demonstrations for supervised fine-tuning are drawn the same way without regard to the rule, as
 data_prep/synthetic_task.py's are. Deterministic by seed.
@@ -27,7 +27,7 @@ import random
 import sys
 from collections.abc import Sequence
 
-from data_prep.synthetic_task import write_rows
+from data_prep.synthetic_task import write_demonstrations, write_rows
 
 CATEGORIES = {
     "colours": ["amber", "teal", "crimson", "olive", "violet", "indigo", "scarlet", "ivory", "maroon", "cyan"],
@@ -114,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output .jsonl file of preference pairs")
     parser.add_argument("--num-pairs", type=int, default=600)
     parser.add_argument("--noise", type=float, default=0.1, help="share of rule-labelled pairs flipped")
-    parser.add_argument("--length-share", type=float, default=0.3, help="share of pairs labelled 'longer wins'")
+    parser.add_argument("--length-share", type=float, default=0.15, help="share of pairs labelled 'longer wins'")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--demonstrations-out", help="also write prompt/response rows for supervised fine-tuning here (.jsonl)"
@@ -125,9 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_rows(args.out, [sample_pair(rng, args.noise, args.length_share) for _ in range(args.num_pairs)])
     print(f"wrote {args.num_pairs} list-task pairs to {args.out}")
     if args.demonstrations_out:
-        rng = random.Random(f"demonstrations-{args.seed}")
-        write_rows(args.demonstrations_out, [sample_demonstration(rng) for _ in range(args.num_demonstrations)])
-        print(f"wrote {args.num_demonstrations} demonstrations to {args.demonstrations_out}")
+        write_demonstrations(args.demonstrations_out, args.num_demonstrations, args.seed, sample_demonstration)
     return 0
 
 

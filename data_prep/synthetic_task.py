@@ -26,7 +26,7 @@ import json
 import os
 import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 TOPICS = [
     "garden",
@@ -126,6 +126,13 @@ def write_rows(path: str, rows: Sequence[dict]) -> None:
         f.writelines(json.dumps(row) + "\n" for row in rows)
 
 
+def write_demonstrations(path: str, count: int, seed: int, sample: Callable[[random.Random], dict]) -> None:
+    """``count`` rows of ``sample`` (a task's demonstration) to ``path``, drawn from the seed's own stream."""
+    rng = random.Random(f"demonstrations-{seed}")
+    write_rows(path, [sample(rng) for _ in range(count)])
+    print(f"wrote {count} demonstrations to {path}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="output .jsonl file")
@@ -147,9 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_rows(args.out, [ultrafeedback_row(p) for p in pairs] if args.layout == "ultrafeedback" else pairs)
     print(f"wrote {args.num_pairs} synthetic pairs to {args.out}")
     if args.demonstrations_out:
-        rng = random.Random(f"demonstrations-{args.seed}")
-        write_rows(args.demonstrations_out, [sample_demonstration(rng) for _ in range(args.num_demonstrations)])
-        print(f"wrote {args.num_demonstrations} demonstrations to {args.demonstrations_out}")
+        write_demonstrations(args.demonstrations_out, args.num_demonstrations, args.seed, sample_demonstration)
     return 0
 
 

@@ -22,6 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 from transformers.integrations import HfDeepSpeedConfig
 
 from engine.models.hf_weights import merged_state_dict
+from engine.models.lora import ReferenceView
 
 # The only non-tensor types in DeepSpeed 0.19's checkpoint files (ZeRO-1/2/3, fp32/bf16, offload),
 # found with torch.serialization.get_unsafe_globals_in_checkpoint.
@@ -241,5 +242,7 @@ def release_gathered_parameters(engine) -> None:
     gather (the weight sync, a save) starts from none. DeepSpeed's ``engine.empty_partition_cache()``
     does this and then runs ``gc.collect()``, a walk of every Python object of a process holding vLLM
     that frees nothing here: without it a tiny model's weight sync took 0.34 s instead of 0.58 s (medians)."""
+    if isinstance(engine, ReferenceView):  # a LoRA run's reference: the actor's parameters
+        engine = engine.actor_engine
     if hasattr(engine.optimizer, "empty_partition_cache"):  # ZeRO-3's optimizer, or its offload for a frozen engine
         engine.optimizer.empty_partition_cache()

@@ -65,7 +65,6 @@ class ReferenceView:
     def __init__(self, actor_engine: Any):
         self.actor_engine = actor_engine
         self.module = actor_engine.module
-        self.optimizer = actor_engine.optimizer  # its partitioned parameters are the actor's (the weight sync)
 
     def __call__(self, **inputs):
         with adapters_disabled(self.module):
