@@ -2,7 +2,8 @@
 policy in colocated vLLM tensor parallel over both, a LoRA actor, GRPO with dynamic sampling, an
 environment that answers every finished turn with an observation and scores the turns
 (tests/scripts/notes_env.py), killed (SIGKILL) in iteration 4 after its rollout and resumed from the
-iteration-2 checkpoint. (An async rollout's episodes: tests/test_async_rollout.py; the episode
+iteration-2 checkpoint. Critic-free with a LoRA actor: the plan and the checkpoints name no critic
+and no reference model. (An async rollout's episodes: tests/test_async_rollout.py; the episode
 runner, masks and tools on their own: tests/test_episodes.py.)"""
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ import json
 import pyarrow.parquet as pq
 from helpers import REPO, assert_repeats, faults, launch, metric_series, write_ppo_config
 
+from engine.config import load_config
+from engine.models.deepspeed_glue import training_ds_config
 from engine.observe.records import read_records
+from engine.ppo.inputs import load_fitting_prompts
+from engine.run.dry_run import ppo_plan
+from engine.run.preflight import load_tokenizer
+from engine.run_config import PPOConfig
 
 ITERATIONS, EVERY = 4, 2
 LORA = {"rank": 8, "alpha": 32.0}
@@ -21,7 +28,7 @@ NOTES = {"name": "notes_env:Notes", "max_turns": 3, "max_observation_tokens": 4,
 
 
 def test_episodes_with_tensor_parallel_vllm_lora_and_dynamic_sampling_stay_in_sync_and_resume_after_a_kill(
-    sft_run, rm_data, tmp_path
+    sft_run, rm_data, tmp_path, capsys
 ):
     """The killed run sampled multi-turn episodes (turns > 1, observation tokens, the environment's
     metric and reward) with vLLM's log-probs equal to the actor's on the packed multi-turn sequences;
@@ -57,6 +64,14 @@ def test_episodes_with_tensor_parallel_vllm_lora_and_dynamic_sampling_stay_in_sy
     data["data"]["eval_prompts"] = str(tmp_path / "held_out.parquet")
     config.write_text(json.dumps(data))
     env = {"PYTHONPATH": str(SCRIPTS)}
+    cfg = load_config(PPOConfig, str(config))  # the plan, in process (the launched dry run: tests/test_dry_run.py)
+    tokenizer = load_tokenizer(cfg.actor.path, "actor.path")
+    prompts = load_fitting_prompts(cfg.data.prompts, tokenizer, cfg, 0)
+    assert ppo_plan(cfg, prompts, [], tokenizer, training_ds_config(cfg.deepspeed, False), 2) == 0
+    plan = capsys.readouterr().out
+    assert "critic       none: ppo.advantage_estimator grpo needs no value model (saves ZeRO-3, 2 rank(s): " in plan
+    assert "reference    none: the actor with its LoRA adapters disabled" in plan
+    assert "(LoRA rank 8: " in plan and "without LoRA:" in plan
 
     killed = launch("train_ppo.py", config, env={**env, **faults(kill_in_iteration_at=4)}, ranks=2, check=False)
     assert killed.returncode != 0 and "Traceback" not in killed.stderr, killed.stderr[-3000:]
@@ -72,7 +87,9 @@ def test_episodes_with_tensor_parallel_vllm_lora_and_dynamic_sampling_stay_in_sy
     kept, rounds = metric_series(run, "ppo/kept_share"), metric_series(run, "ppo/generation_rounds")
     assert sorted(kept) == logged and all(0.2 < k <= 1 for k in kept.values()) and min(kept.values()) < 1, kept
     assert max(rounds.values()) >= 2, rounds  # groups without signal drawn again, in episodes
+    assert sorted(p.name for p in (run / "checkpoints" / "step00000002").iterdir() if p.is_dir()) == ["actor"]
     before = read_records(str(run / "metrics.jsonl"))
+    assert "ppo/pg_loss" in before[1] and not any(k.startswith("ppo/vf_") for m in before for k in m)
 
     resumed = launch("train_ppo.py", config, "--resume", env=env, ranks=2)
     assert "resumed at iteration 2" in resumed.stdout

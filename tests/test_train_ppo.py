@@ -29,14 +29,8 @@ from helpers import (
 )
 from transformers import AutoModelForCausalLM
 
-from engine.config import load_config
-from engine.models.deepspeed_glue import training_ds_config
 from engine.observe.records import read_records
 from engine.observe.report import expected_plots
-from engine.ppo.inputs import load_fitting_prompts
-from engine.run.dry_run import ppo_plan
-from engine.run.preflight import load_tokenizer
-from engine.run_config import PPOConfig
 
 ITERATIONS, EVERY = PPO_ITERATIONS, PPO_EVERY
 LORA = {"rank": 8, "alpha": 32.0}  # actor.lora / critic.lora of the LoRA runs
@@ -376,53 +370,6 @@ def test_zero2_with_replicated_frozen_models_and_lora(tiny_model_dir, rm_run, rm
     judged = metric_series(tmp_path / "run", "eval/judge_win_rate")
     assert judged == metric_series(tmp_path / "run", "eval/win_rate") and sorted(judged) == [0, 2]
     assert sorted(metric_series(tmp_path / "run", "eval/judge_win_rate/rm_helpful")) == [0, 2]
-
-
-@pytest.mark.parametrize(
-    "estimator, extra",
-    # RLOO (with ppo.rollout_correction): tests/test_dynamic_sampling.py
-    [("grpo", {"actor__lora": LORA, "optim__lr": 3e-3, "rollout__temperature": 0.7})],
-)
-def test_critic_free_estimators_train_without_a_critic(sft_run, rm_run, rm_data, tmp_path, capsys, estimator, extra):
-    """Each critic-free estimator builds, trains and checkpoints no critic, and raises the held-out
-    reward (REINFORCE++: tests/test_ppo_reward_components.py, without a reward model). GRPO runs
-    with a LoRA actor: two models in memory, the actor and the reward model (its dry run says so).
-    RLOO (with truncated importance sampling) trains in tests/test_dynamic_sampling.py. GRPO samples at
-    temperature 0.7: vLLM's log-probs are the tempered ones the actor computes."""
-    (rm_root, _), (sft_root, _) = rm_run, sft_run
-    config = write_ppo_config(
-        tmp_path / "ppo.json",
-        sft_root / "run" / "model",
-        rm_root / "run" / "model",
-        rm_data,
-        tmp_path / "run",
-        ppo__kl_coef=0.2,
-        ppo__advantage_estimator=estimator,
-        train__iterations=8,
-        train__eval_every=0,
-        checkpoint__every_steps=4,
-        **({"optim__lr": 3e-4} | extra),
-    )
-    if "actor__lora" in extra:  # the plan, in process (the launched dry run: tests/test_dry_run.py)
-        cfg = load_config(PPOConfig, str(config))
-        tokenizer = load_tokenizer(cfg.actor.path, "actor.path")
-        prompts = load_fitting_prompts(cfg.data.prompts, tokenizer, cfg, 0)
-        assert ppo_plan(cfg, prompts, [], tokenizer, training_ds_config(cfg.deepspeed, False), 1) == 0
-        plan = capsys.readouterr().out
-        assert (
-            f"critic       none: ppo.advantage_estimator {estimator} needs no value model (saves ZeRO-3, 1 rank(s): "
-            in plan
-        )
-        assert "reference    none: the actor with its LoRA adapters disabled" in plan
-        assert "actor" in plan and "(LoRA rank 8: " in plan and "without LoRA:" in plan
-    launch("train_ppo.py", config)
-    run = tmp_path / "run"
-    held_out = metric_series(run, "eval/reward")
-    assert sorted(held_out) == [0, 8] and held_out[8] > held_out[0] + 0.2, held_out
-    assert max(metric_series(run, "ppo/sampler_logprob_gap").values()) < 1e-5
-    assert sorted(p.name for p in (run / "checkpoints" / "step00000004").iterdir() if p.is_dir()) == ["actor"]
-    metrics = read_records(str(run / "metrics.jsonl"))
-    assert "ppo/pg_loss" in metrics[1] and not any(k.startswith("ppo/vf_") for m in metrics for k in m)
 
 
 def test_lora_actor_and_critic_learn_resume_exactly_and_export_adapter_and_merged_model(

@@ -7,7 +7,8 @@ Reads one JSON list per line: a command's arguments after ``python`` (``SCRIPT a
 ``-m MODULE args...``). Runs it as ``python`` would: as ``__main__``, with ``sys.argv`` and
 ``sys.path[0]`` set the same way, its output (file descriptors 1 and 2, so C-level writes too) in
 a file. Answers one JSON line per command on its own stdout: ``{"rc": exit status, "output": ...}``;
-an uncaught exception is exit 1 with its traceback, as in a fresh process.
+an uncaught exception is exit 1 with its traceback, as in a fresh process; a launched script's
+exit (``engine.run.launch.exit_without_teardown``) is its ``SystemExit``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ import runpy
 import sys
 import tempfile
 import traceback
+
+from engine.run import launch
+
+# A launched script ends its process without the interpreter's teardown (engine/run/launch.py); this
+# interpreter outlives each command, so the script's exit is a SystemExit here, as any other command's.
+launch.exit_without_teardown = sys.exit
 
 
 def run(argv: list[str]) -> int:
