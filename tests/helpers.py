@@ -19,7 +19,13 @@ import pytest
 import torch
 
 from data_prep.synthetic_task import FILLER, NEGATIVE, POSITIVE, TOPICS
+from engine.config import load_config
+from engine.models.deepspeed_glue import training_ds_config
 from engine.observe.records import read_records
+from engine.ppo.inputs import load_fitting_prompts
+from engine.run.dry_run import ppo_plan
+from engine.run.preflight import load_tokenizer
+from engine.run_config import PPOConfig
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCHER = str(Path(sys.executable).parent / "deepspeed")
@@ -289,6 +295,17 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     assert a.keys() == b.keys()
     for k, v in a.items():
         torch.testing.assert_close(v, b[k], rtol=REPEAT_REL, atol=REPEAT_ABS, msg=k)
+
+
+def ppo_plan_text(config: Path, world: int, capsys: pytest.CaptureFixture) -> str:
+    """The dry run's plan of a PPO config for `world` ranks, printed in process (the launched dry run:
+    tests/test_dry_run.py)."""
+    cfg = load_config(PPOConfig, str(config))
+    tokenizer = load_tokenizer(cfg.actor.path, "actor.path")
+    prompts = load_fitting_prompts(cfg.data.prompts, tokenizer, cfg, 0)
+    capsys.readouterr()
+    assert ppo_plan(cfg, prompts, [], tokenizer, training_ds_config(cfg.deepspeed, False), world) == 0
+    return capsys.readouterr().out
 
 
 def start_launched(script: str, config: Path, *extra: str) -> subprocess.Popen:

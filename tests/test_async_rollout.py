@@ -8,12 +8,20 @@ from datetime import timedelta
 
 import pytest
 import torch
-from helpers import REPO, assert_repeats, faults, free_port, launch, metric_series, read_events, write_ppo_config
+from helpers import (
+    REPO,
+    assert_repeats,
+    faults,
+    free_port,
+    launch,
+    metric_series,
+    ppo_plan_text,
+    read_events,
+    write_ppo_config,
+)
 from pydantic import ValidationError
 
 from engine.config import ConfigError, load_config
-from engine.models.deepspeed_glue import training_ds_config
-from engine.ppo.inputs import load_fitting_prompts
 from engine.rollout.remote import (
     RemoteGeneration,
     RemoteSampler,
@@ -25,8 +33,6 @@ from engine.rollout.remote import (
 )
 from engine.rollout.sampler import Sample
 from engine.run.distributed import SplitWorld
-from engine.run.dry_run import ppo_plan
-from engine.run.preflight import load_tokenizer
 from engine.run_config import PPOConfig
 from engine.run_config.rollout import RolloutSection
 
@@ -117,18 +123,14 @@ def test_a_resume_after_the_generating_rank_is_killed_repeats_the_run(stale_run,
 
 def test_the_plan_and_the_rules_of_the_split(stale_run, capsys):
     _, config, _ = stale_run
-    cfg = load_config(PPOConfig, str(config))
-    tokenizer = load_tokenizer(cfg.actor.path, "actor.path")
-    prompts = load_fitting_prompts(cfg.data.prompts, tokenizer, cfg, 0)
-    assert ppo_plan(cfg, prompts, [], tokenizer, training_ds_config(cfg.deepspeed, False), 3) == 0
-    plan = capsys.readouterr().out
+    plan = ppo_plan_text(config, 3, capsys)
     assert "(3 rank(s): 1 training, 2 generating (rollout.mode async))" in plan
     assert "actor                541,568 parameters (trained): ZeRO-3, 1 rank(s)" in plan
     assert "vLLM sampler: 1 engine of tensor parallel size 2 on the generating rank(s), none on the training" in plan
     assert "per generating rank: " in plan
     assert "; sequence importance weights pi_actor / pi_sampler masked outside [0.5, 2]; " in plan
     with pytest.raises(ConfigError, match=r"needs more than rollout.tensor_parallel_size \(2\) ranks"):
-        cfg.check_world_size(2)
+        load_config(PPOConfig, str(config)).check_world_size(2)
     for bad, match in (
         ({"dynamic_sampling": True}, "no dynamic_sampling"),
         ({"sampler": "hf"}, "needs sampler vllm"),

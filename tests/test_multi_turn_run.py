@@ -11,15 +11,9 @@ from __future__ import annotations
 import json
 
 import pyarrow.parquet as pq
-from helpers import REPO, assert_repeats, faults, launch, metric_series, write_ppo_config
+from helpers import REPO, assert_repeats, faults, launch, metric_series, ppo_plan_text, write_ppo_config
 
-from engine.config import load_config
-from engine.models.deepspeed_glue import training_ds_config
 from engine.observe.records import read_records
-from engine.ppo.inputs import load_fitting_prompts
-from engine.run.dry_run import ppo_plan
-from engine.run.preflight import load_tokenizer
-from engine.run_config import PPOConfig
 
 ITERATIONS, EVERY = 4, 2
 LORA = {"rank": 8, "alpha": 32.0}
@@ -64,11 +58,7 @@ def test_episodes_with_tensor_parallel_vllm_lora_and_dynamic_sampling_stay_in_sy
     data["data"]["eval_prompts"] = str(tmp_path / "held_out.parquet")
     config.write_text(json.dumps(data))
     env = {"PYTHONPATH": str(SCRIPTS)}
-    cfg = load_config(PPOConfig, str(config))  # the plan, in process (the launched dry run: tests/test_dry_run.py)
-    tokenizer = load_tokenizer(cfg.actor.path, "actor.path")
-    prompts = load_fitting_prompts(cfg.data.prompts, tokenizer, cfg, 0)
-    assert ppo_plan(cfg, prompts, [], tokenizer, training_ds_config(cfg.deepspeed, False), 2) == 0
-    plan = capsys.readouterr().out
+    plan = ppo_plan_text(config, 2, capsys)
     assert "critic       none: ppo.advantage_estimator grpo needs no value model (saves ZeRO-3, 2 rank(s): " in plan
     assert "reference    none: the actor with its LoRA adapters disabled" in plan
     assert "(LoRA rank 8: " in plan and "without LoRA:" in plan
