@@ -18,7 +18,6 @@ rotating order and prints medians and min-max.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -26,19 +25,14 @@ from pathlib import Path
 
 from distill_demo import CONFIG, QUIET, prepare, student
 from ppo_vs_trl import spread, write_run_prompts
-from rm_vs_trl import REPO, ensure_peer_venv, run, run_process
+from rm_vs_trl import REPO, TRL_VERSION, ensure_peer_venv, run, run_process, speed_arguments
 
-TRL_VERSION = "1.16.0"
 PROMPTS, SAMPLES = 16, 4  # per iteration: 64 sequences
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--iterations", type=int, default=8)
+    parser = speed_arguments(__doc__.split("\n")[0], "/tmp/distill-demo")
     parser.add_argument("--new-tokens", type=int, default=24)
-    parser.add_argument("--repeats", type=int, default=1, help="rounds of every trainer; figures are medians")
-    parser.add_argument("--work", default="/tmp/distill-demo")
-    parser.add_argument("--peer-venv", default=str(REPO / "bench" / ".peer-trl116"))
     args = parser.parse_args()
     n, work = args.iterations, Path(args.work)
     peer_python = ensure_peer_venv(Path(args.peer_venv), TRL_VERSION)

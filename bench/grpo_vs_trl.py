@@ -16,7 +16,6 @@ ratio; --repeats runs every trainer N times in rotating order and prints medians
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -24,9 +23,8 @@ import tempfile
 from pathlib import Path
 
 from ppo_vs_trl import spread, write_run_prompts
-from rm_vs_trl import REPO, ensure_peer_venv, run, run_process
+from rm_vs_trl import REPO, TRL_VERSION, ensure_peer_venv, run, run_process, speed_arguments
 
-TRL_VERSION = "1.16.0"
 PROMPTS_PER_ITERATION = 16
 KL_COEF = 0.04
 CONFIG = "ds_configs/arithmetic_grpo.json"
@@ -74,12 +72,9 @@ def prepare(work: Path, launcher: str) -> tuple[Path, Path]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--iterations", type=int, default=8)
+    parser = speed_arguments(__doc__.split("\n")[0])
     parser.add_argument("--samples-per-prompt", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=1, help="rounds of every trainer; figures are medians")
-    parser.add_argument("--peer-venv", default=str(REPO / "bench" / ".peer-trl116"))
     args = parser.parse_args()
     k, n = args.samples_per_prompt, args.iterations
     peer_python = ensure_peer_venv(Path(args.peer_venv), TRL_VERSION)

@@ -33,6 +33,18 @@ HH = REPO.parent / "shared" / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
 TRL_VERSION = "1.16.0"
 
 
+def speed_arguments(description: str, work: str | None = None) -> argparse.ArgumentParser:
+    """The options of an iteration-speed bench against a TRL trainer: --iterations, --repeats, the peer's
+    venv and (where the bench keeps models) --work; the bench adds its own."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--iterations", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of every trainer; figures are medians")
+    parser.add_argument("--peer-venv", default=str(REPO / "bench" / ".peer-trl116"))
+    if work is not None:
+        parser.add_argument("--work", default=work)
+    return parser
+
+
 def ensure_peer_venv(path: Path, trl_version: str = TRL_VERSION) -> Path:
     """A venv that sees this project's packages (a .pth file) plus TRL, installed once."""
     python = path / "bin" / "python"

@@ -21,7 +21,6 @@ times in rotating order and prints medians and min-max.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -29,9 +28,8 @@ from pathlib import Path
 
 from distill_demo import QUIET
 from ppo_vs_trl import spread, write_run_prompts
-from rm_vs_trl import REPO, ensure_peer_venv, run, run_process
+from rm_vs_trl import REPO, TRL_VERSION, ensure_peer_venv, run, run_process, speed_arguments
 
-TRL_VERSION = "1.16.0"
 PROMPTS, SAMPLES = 16, 8  # per iteration: 128 episodes
 CONFIG = "ds_configs/tool_grpo.json"
 TASK = ["--tool-calls", "--max-operand", "999", "--multiplication", "--max-factor", "99"]
@@ -60,12 +58,8 @@ def prepare(work: Path, sft_steps: int) -> tuple[Path, Path]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--iterations", type=int, default=8)
+    parser = speed_arguments(__doc__.split("\n")[0], "/tmp/tool-grpo-bench")
     parser.add_argument("--sft-steps", type=int, default=150)
-    parser.add_argument("--repeats", type=int, default=1, help="rounds of every trainer; figures are medians")
-    parser.add_argument("--work", default="/tmp/tool-grpo-bench")
-    parser.add_argument("--peer-venv", default=str(REPO / "bench" / ".peer-trl116"))
     args = parser.parse_args()
     n, work = args.iterations, Path(args.work)
     peer_python = ensure_peer_venv(Path(args.peer_venv), TRL_VERSION)
