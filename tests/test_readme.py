@@ -9,8 +9,10 @@ DOCS_ORDER (demo.md makes the demo's data and models, which later guides use); a
 that repeats one already run is not run again; docs/own-model.md's commands run in a lane of their
 own beside the others (the two take about as long), and every launch on a free port; a lane's
 plain `python` commands share one interpreter (tests/scripts/python_commands.py), each run as
-`python` would run it. Training commands run shortened (`--train.max_steps 2`, `--train.iterations
-1` appended: the full runs are the demo and the end-to-end tests); the guides prefer `--dry-run`
+`python` would run it; the first one-rank launch (`deepspeed --num_gpus 1`) runs as written, the
+others as `python` in a process of their own (the launcher adds ~7 s of start and exit and nothing
+else for one rank). Training commands run shortened (`--train.max_steps 2`, `--train.iterations 1`
+appended: the full runs are the demo and the end-to-end tests); the guides prefer `--dry-run`
 where a full run adds nothing. Weights & Biases is off (WANDB_MODE=disabled: its service's start and
 stop cost seconds a run; tests/test_train_rm.py checks an offline wandb run).
 """
@@ -71,6 +73,7 @@ DOCS_ORDER = [
 # Commands that share no file with the others, run in a second lane beside them: the own-model
 # walk-through's (docs/own-model.md).
 SECOND_LANE = ("runs/own/",)
+ONE_RANK = "deepspeed --num_gpus 1 "
 EXAMPLE_SCRIPTS = {
     "docs/sft.md": "train/train_sft.py",
     "docs/reward-model.md": "train/train_rm.py",
@@ -151,6 +154,15 @@ def with_free_port(command: str) -> str:
     return command.replace("deepspeed --num_gpus", f"deepspeed --master_port {free_port()} --num_gpus")
 
 
+def without_launcher(command: str) -> str:
+    """A one-rank launch as ``python`` runs it, on a free rendezvous port: the script joins a one-rank
+    group itself, and the launcher's two processes add ~7 s of start and exit and nothing else
+    (tests/helpers.py launch)."""
+    if not command.startswith(ONE_RANK):
+        return command
+    return f"MASTER_PORT={free_port()} python {command.removeprefix(ONE_RANK)}"
+
+
 def python_arguments(command: str) -> list[str] | None:
     """A plain ``python ...`` command's arguments after ``python`` (None for anything else: a
     launcher, a pipe, a redirection, a variable)."""
@@ -160,10 +172,11 @@ def python_arguments(command: str) -> list[str] | None:
     return words[1:]
 
 
-def run_lane(root: Path, env: dict[str, str], lane: list[tuple[str, str]]) -> None:
+def run_lane(root: Path, env: dict[str, str], lane: list[tuple[str, str]], as_written: str) -> None:
     """Run ``(page, command)`` pairs in order; fail on the first that does not exit 0. The lane's
     plain ``python`` commands run one after another in one interpreter
-    (tests/scripts/python_commands.py: the imports paid once), the others in bash."""
+    (tests/scripts/python_commands.py: the imports paid once), the others in bash, one-rank launches
+    other than ``as_written`` without the launcher."""
     interpreter = subprocess.Popen(
         [sys.executable, str(REPO / "tests" / "scripts" / "python_commands.py")],
         cwd=root,
@@ -183,7 +196,7 @@ def run_lane(root: Path, env: dict[str, str], lane: list[tuple[str, str]]) -> No
                 rc, output = answer["rc"], answer["output"]
             else:
                 result = subprocess.run(
-                    ["bash", "-c", with_free_port(command)],
+                    ["bash", "-c", with_free_port(command if command == as_written else without_launcher(command))],
                     cwd=root,
                     env=env,
                     capture_output=True,
@@ -212,9 +225,10 @@ def ran_readme(clone):
     for page, command in ran:
         if all(command != done for _, done in firsts):
             firsts.append((page, command))
+    as_written = next(command for _, command in firsts if command.startswith(ONE_RANK))
     lanes = [[pc for pc in firsts if any(s in pc[1] for s in SECOND_LANE) == second] for second in (False, True)]
     with ThreadPoolExecutor(len(lanes)) as pool:
-        for lane in [pool.submit(run_lane, root, env, lane) for lane in lanes]:
+        for lane in [pool.submit(run_lane, root, env, lane, as_written) for lane in lanes]:
             lane.result()
     return root, env, ran
 
