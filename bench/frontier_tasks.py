@@ -13,6 +13,7 @@ A task's stages run once into its work directory (``runs/frontier/<task>``).
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -32,6 +33,22 @@ def task_models(task: str, work: Path) -> Path:
         else:
             build_lists(work, env)
     return work
+
+
+def text_reading_reward_model(work: Path) -> Path:
+    """A copy of ``work``'s reward model whose chat template differs from the policy's by a Jinja
+    comment alone: it renders the same text, but PPO no longer takes it for the policy's template,
+    so it reads each response as decoded text rendered again (engine/ppo/rewards.py), not as the
+    sampled ids. Made once, beside the reward model."""
+    copy = work / "rm-text" / "model"
+    if not (copy / "reward_stats.json").exists():
+        from transformers import AutoTokenizer
+
+        shutil.copytree(work / "rm" / "model", copy, dirs_exist_ok=True)
+        tokenizer = AutoTokenizer.from_pretrained(copy)
+        tokenizer.chat_template += "{# read as text #}"
+        tokenizer.save_pretrained(copy)
+    return copy
 
 
 def build_lists(out: Path, env: dict[str, str]) -> None:

@@ -1,7 +1,7 @@
 """The reward-KL frontier: true score against KL to the SFT model, train/train_ppo.py vs TRL 1.12's PPOTrainer.
 
     python bench/frontier_vs_trl.py [--task demo|lists] [--work runs/frontier] [--kl-coefs 0.005 0.02 0.05 0.1 0.3 1.0]
-                                    [--seeds 0 1 2] [--iterations 40] [--variant LABEL=OVERRIDES ...]
+                                    [--seeds 0 1 2] [--iterations 40] [--variant LABEL=OVERRIDES ...] [--text-rm]
                                     [--no-trl] [--report-only] [--plot PATH] [--peer-venv bench/.peer-trl112]
 
 The demo's synthetic task (data_prep/synthetic_task.py knows its rule): the demo's SFT model and
@@ -14,7 +14,9 @@ prompts in the same order for both trainers.
 
 - ours: ds_configs/demo_ppo.json with ``ppo.kl_target`` null (a fixed coefficient), no evaluation,
   rollback or checkpoint; ``--variant LABEL=OVERRIDES`` adds a run set with train_ppo.py overrides
-  (``--variant "no whitening=--ppo.whiten_advantages false"``): the ablations;
+  (``--variant "no whitening=--ppo.whiten_advantages false"``): the ablations; ``--text-rm`` adds
+  ours with a reward model that reads each response as decoded text rendered again through the
+  chat template instead of the sampled ids (bench/frontier_tasks.text_reading_reward_model);
 - TRL: bench/peers/trl_ppo.py, its defaults except the settings above (its reward: the same reward
   model, weighted and standardised as ours reads it).
 
@@ -39,13 +41,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-from frontier_tasks import TASKS, task_models
+from frontier_tasks import TASKS, task_models, text_reading_reward_model
 from ppo_vs_trl import prompts_in_draw_order, run_demo_ppo
 from rm_vs_trl import REPO, ensure_peer_venv, run
 
 TRL_PPO_VERSION = "1.12.0"
 TRL = f"TRL {TRL_PPO_VERSION}"
-MATCHED_KL = (0.05, 0.15, 0.3)
+MATCHED_KL = (0.05, 0.1, 0.15, 0.3)
 SAMPLES_PER_PROMPT, MINI_BATCHES, LR = 4, 2, 3e-4  # ds_configs/demo_ppo.json's
 
 
@@ -256,12 +258,19 @@ def main() -> int:
     parser.add_argument("--report-only", action="store_true", help="run nothing: report the kept runs")
     parser.add_argument("--plot", help="write the score-KL plot here (.png)")
     parser.add_argument("--rm-ensemble", nargs="+", default=[], help="more reward models for the references")
+    parser.add_argument(
+        "--text-rm",
+        action="store_true",
+        help="add ours with the reward model reading each response as re-rendered text, not the sampled ids",
+    )
     parser.add_argument("--peer-venv", default=str(REPO / "bench" / ".peer-trl112"))
     args = parser.parse_args()
     demo = task_models(args.task, Path(args.work).resolve() / args.task)
     work = demo.parent if args.task == "demo" else demo  # the demo's runs beside its models, as before
     trainers: dict[str, list[str] | None] = {"ours": [], TRL: None}  # label -> overrides (None: TRL)
     trainers |= {v.split("=", 1)[0]: shlex.split(v.split("=", 1)[1]) for v in args.variant}
+    if args.text_rm:
+        trainers["RM reads re-rendered text"] = ["--reward_model.path", str(text_reading_reward_model(demo))]
     runs_trl = not (args.no_trl or args.report_only)
     peer_python = ensure_peer_venv(Path(args.peer_venv), TRL_PPO_VERSION) if runs_trl else None
     results: dict[str, dict[tuple[float, int], dict]] = {label: {} for label in trainers}

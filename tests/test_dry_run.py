@@ -41,6 +41,8 @@ def test_ppo_dry_run_counts_four_models_and_writes_nothing(tiny_model_dir, rm_ru
             "tiny_cpu_zero2.json",
             "--device-memory-gib",
             "0.5",
+            "--reward_model.length_debias",
+            "true",
         ],
         capture_output=True,
         text=True,
@@ -50,6 +52,7 @@ def test_ppo_dry_run_counts_four_models_and_writes_nothing(tiny_model_dir, rm_ru
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "rollout: 16 prompts x 4 samples = 64 sequences per iteration" in out
+    assert "score: 1 x reward model (normalised, its slope on length taken out per batch)" in out, out
     assert "2 optimizer steps per iteration per trained model" in out
     assert re.search(r"1 \(each prompt once for its 4 samples: \d\d% fewer tokens\) per experience forward", out), (
         out

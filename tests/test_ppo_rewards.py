@@ -7,6 +7,7 @@ import json
 import textwrap
 import time
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -144,6 +145,13 @@ def test_scorer_combines_rm_components_and_penalties(process_group, rm_run, user
     assert raw[0] > raw[1]  # the trained RM prefers the kind answer
     torch.testing.assert_close(raw[0], raw[2], atol=1e-5, rtol=0)  # finishing does not matter without a penalty
     raw_all = raw
+    # length_debias: the RM's term loses its least-squares slope on the sampled lengths (numpy's fit).
+    debias_rm = RewardModelScorer(rm, tok, RewardModelSection(path=model_dir, normalize=False, length_debias=True), 512)
+    debiased, parts = RewardScorer(debias_rm, None, RewardsSection(clip=100.0)).score(batch)
+    slope = float(np.polyfit(tokens, raw.double().numpy(), 1)[0])
+    assert parts["reward/rm_length_slope"].tolist() == pytest.approx([slope] * 4)
+    torch.testing.assert_close(debiased, raw - slope * (torch.tensor(tokens) - np.mean(tokens)), atol=1e-5, rtol=0)
+    assert abs(np.polyfit(tokens, debiased.double().numpy(), 1)[0]) < 1e-5 and abs(slope) > 1e-3
 
     rewards = RewardsSection.model_validate(
         {

@@ -3,6 +3,9 @@ the weighted components of ``rewards`` (engine/rewards/components.py), a no-EOS 
 
     score = rm.weight * (sum_c w_c * head_c - mean) / std + sum_k weight_k * component_k
             + no_eos_penalty * [cut at max_new_tokens],   clipped to [-clip, clip]
+
+With ``reward_model.length_debias`` the reward model's term loses its linear trend on length first
+(:func:`length_debiased`).
 """
 
 from __future__ import annotations
@@ -104,6 +107,23 @@ class RewardModelScorer:
         return self.section.weight * ((heads * self.weights).sum(-1) - self.mean) / self.std
 
 
+def length_debiased(scores: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """``scores - b * (lengths - mean length)`` and ``b``, the least-squares slope of the scores on
+    the lengths over the batch of every rank (a collective).
+
+    The length-controlled correction of Dubois et al. 2024 ("Length-Controlled AlpacaEval"), applied
+    to the rollout's reward as ODIN (Chen et al. 2024) removes the length component from a reward
+    model: what the reward model prefers beyond a longer answer stays, its average preference for
+    length within the batch goes. ``scores``, ``lengths``: (B,) on this rank. Returns (B,), slope.
+    """
+    x, y = lengths.double(), scores.double()
+    sums = all_reduce(torch.stack([torch.ones_like(x).sum(), x.sum(), y.sum(), (x * x).sum(), (x * y).sum()]))
+    mean_x, mean_y, mean_xx, mean_xy = (sums[1:] / sums[0].clamp(min=1.0)).tolist()
+    var_x = mean_xx - mean_x**2
+    slope = (mean_xy - mean_x * mean_y) / var_x if var_x > 1e-12 else 0.0  # one length throughout: no slope
+    return (y - slope * (x - mean_x)).to(scores.dtype), slope
+
+
 class RewardScorer:
     """Scores responses on every rank: reward model (optional) + components + no-EOS penalty."""
 
@@ -135,11 +155,15 @@ class RewardScorer:
         samples = responses.samples
         total = torch.zeros(len(samples))
         parts: dict[str, torch.Tensor] = {}
+        lengths = [s.sampled_length for s in samples]  # the policy's tokens: observations out
         if self.reward_model is not None:
             heads = self.reward_model.score(responses)  # (B, C)
             parts |= {f"reward/rm_{c}": heads[:, i] for i, c in enumerate(self.reward_model.heads)}
-            total = total + self.reward_model.total(heads)
-        lengths = [s.sampled_length for s in samples]  # the policy's tokens: observations out
+            rm_total = self.reward_model.total(heads)
+            if self.reward_model.section.length_debias:
+                rm_total, slope = length_debiased(rm_total, torch.tensor(lengths, dtype=torch.float64))
+                parts["reward/rm_length_slope"] = torch.full((len(samples),), slope)
+            total = total + rm_total
         scores = self._components(ScoringBatch(responses.prompts, responses.texts, lengths, responses.fields), samples)
         for name, s in scores.items():
             parts[f"reward/{name}"] = s.values

@@ -312,7 +312,11 @@ def correction_terms(correction: RolloutCorrectionSection | None) -> str:
 def score_terms(cfg) -> str:
     """The score PPO maximises, in words: its weighted terms, penalties and clip."""
     rewards = cfg.rewards
-    terms = [f"{cfg.reward_model.weight:g} x reward model (normalised)"] if cfg.reward_model else []
+    terms = []
+    if cfg.reward_model:
+        scale = "normalised" if cfg.reward_model.normalize else "raw"
+        debias = ", its slope on length taken out per batch" if cfg.reward_model.length_debias else ""
+        terms.append(f"{cfg.reward_model.weight:g} x reward model ({scale}{debias})")
     terms += [f"{weight:g} x {name}" for name, weight in rewards.weights().items()]
     if not terms and not cfg.rollout.environment:
         terms.append("0 (no reward: the teacher alone)")

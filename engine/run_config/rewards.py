@@ -141,6 +141,11 @@ class RewardModelSection(Config):
     path: str = required("reward model directory (output of train_rm.py: model/)")
     weight: float = option(1.0, "weight of the reward model's (normalised) total in the score")
     normalize: bool = option(True, "standardise the score with the model's reward_stats.json mean/std")
+    length_debias: bool = option(
+        False,
+        "take out of the reward model's score, per batch, its linear trend on response length (its regression "
+        "slope on the sampled token count): for reward models that prefer longer answers more than the task does",
+    )
 
     @model_validator(mode="before")
     @classmethod
