@@ -32,7 +32,7 @@ from engine.ppo.distill import DistillSettings, teacher_logprobs
 from engine.ppo.distill_losses import reverse_kl_advantages, top_k_jsd
 from engine.ppo.engines import HybridEngine
 from engine.ppo.experience import Experience, make_experience
-from engine.ppo.forwards import pad_right
+from engine.ppo.forwards import ValueReadout, pad_right
 from engine.ppo.inputs import load_fitting_prompts
 from engine.ppo.losses import PolicyLoss
 from engine.ppo.settings import ExperienceSettings, GaeSettings, PolicyLossSettings, UpdateSettings
@@ -233,7 +233,7 @@ def test_reverse_kl_mode_adds_each_tokens_advantage_to_the_estimators(
     rollout = Rollout(samples, [Prompt([], {})] * 4, torch.tensor([1.0, 0.0, 0.5, 0.5]), {})
     engines = HybridEngine(student, None, student, None, None, None, teacher)
     settings = ExperienceSettings(
-        max_tokens=64, value_weights=torch.ones(1), kl_estimator="k1", gae=GaeSettings(1.0, 1.0, False),
+        max_tokens=64, value_readout=ValueReadout(torch.ones(1)), kl_estimator="k1", gae=GaeSettings(1.0, 1.0, False),
         advantage_estimator="grpo", group_size=2, temperature=0.7,
     )  # fmt: skip
     distill = DistillSettings("reverse_kl", coef=0.5, beta=0.5, top_k=4, vocab=student.config.vocab_size)

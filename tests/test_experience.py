@@ -17,7 +17,7 @@ from engine.models.loading import load_causal_lm, load_value_model
 from engine.ppo.collect import Rollout
 from engine.ppo.engines import HybridEngine
 from engine.ppo.experience import OldLogprobSource, make_experience
-from engine.ppo.forwards import response_values
+from engine.ppo.forwards import ValueReadout, response_values
 from engine.ppo.rewards import RewardModelScorer, RewardScorer, SampledResponses
 from engine.ppo.rollout_correction import RolloutCorrection
 from engine.ppo.settings import ExperienceSettings, GaeSettings
@@ -28,7 +28,10 @@ from engine.run_config.rewards import RewardModelSection, RewardsSection
 PROMPT_LENS, RESPONSE_LENS = [6, 3, 9, 4], [5, 8, 2, 6]
 # k1 KL, undiscounted GAE with lam = 1 (every return is the score), whitened; micro-batches of 24 tokens
 SETTINGS = ExperienceSettings(
-    max_tokens=24, value_weights=torch.ones(1), kl_estimator="k1", gae=GaeSettings(gamma=1.0, lam=1.0, whiten=True)
+    max_tokens=24,
+    value_readout=ValueReadout(torch.ones(1)),
+    kl_estimator="k1",
+    gae=GaeSettings(gamma=1.0, lam=1.0, whiten=True),
 )
 
 
@@ -289,7 +292,9 @@ def test_shared_prompts_give_the_log_probs_values_and_gradients_of_whole_sequenc
             n += packed.num_tokens
             lens = [prompt_lens[i] for i in indices]
             logprobs, entropy = response_logprobs(models["actor"], packed, lens, with_entropy=True, entropy_grad=True)
-            values = response_values(packed_forward(models["critic"], packed), packed, lens, torch.tensor([1.0, -0.5]))
+            values = response_values(
+                packed_forward(models["critic"], packed), packed, lens, ValueReadout(torch.tensor([1.0, -0.5]))
+            )
             loss = 0.0
             for i, lp, h, v in zip(indices, logprobs, entropy, values):
                 got[i] = (lp.detach(), h.detach(), v.detach())

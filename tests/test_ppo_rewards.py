@@ -213,6 +213,9 @@ def test_scorer_combines_rm_components_and_penalties(process_group, rm_run, user
         unclipped = 0.5 * (raw_all - stats["mean"]) / stats["std"]
         assert (unclipped.abs() > 0.1).any()  # the clip cuts
         torch.testing.assert_close(clipped, unclipped.clamp(-0.1, 0.1), atol=1e-5, rtol=0)
+        # A critic that kept the reward model's head starts as its term of the reward: standardised and weighted.
+        heads = torch.stack([parts["reward/rm_helpful"], parts["reward/rm_harmless"]], -1)
+        torch.testing.assert_close(rm_half.readout()(heads), unclipped, atol=1e-5, rtol=0)
     finally:
         scorer.close()
 

@@ -14,7 +14,7 @@ from engine.config import DS_CONFIGS_DIR
 from engine.data.batching import token_mean_scale
 from engine.data.response_tokens import kl_penalty
 from engine.ppo.experience import Experience
-from engine.ppo.forwards import pad_right, sequence_values
+from engine.ppo.forwards import ValueReadout, pad_right, sequence_values
 from engine.ppo.losses import aggregation_weights, estimate_advantages
 from engine.ppo.settings import GaeSettings, PolicyLossSettings, UpdateSettings
 from engine.ppo.update import actor_step, actor_token_loss, critic_step, update_on_rollout
@@ -29,7 +29,7 @@ def update_settings(max_tokens: int = 24, **changes) -> UpdateSettings:
     """SETTINGS' policy loss, value clip 0.2, one epoch over the eight sequences as one mini-batch."""
     settings = UpdateSettings(
         policy=SETTINGS,
-        value_weights=torch.ones(1),
+        value_readout=ValueReadout(torch.ones(1)),
         value_clip=0.2,
         ppo_epochs=1,
         mini_batch_size=len(RESPONSE_LENS),
@@ -238,7 +238,7 @@ def test_values_from_the_first_critic_step_equal_an_experience_forward(deepspeed
             critic.eval()
             with torch.no_grad():
                 exp.old_values = pad_right(
-                    sequence_values(critic, exp.sequences, exp.prompt_lens, torch.ones(1), 24, 0, True),
+                    sequence_values(critic, exp.sequences, exp.prompt_lens, ValueReadout(torch.ones(1)), 24, 0, True),
                     exp.mask.shape[1],
                 )
             exp.advantages, exp.returns = estimate_advantages(

@@ -32,7 +32,7 @@ from engine.ppo.engines import (
     build_sampler,
     build_scorers,
     build_vllm_sampler,
-    critic_value_weights,
+    critic_readout,
 )
 from engine.ppo.evaluation import HeldOutEvaluator, held_out_eval
 from engine.ppo.inputs import (
@@ -121,7 +121,7 @@ def main() -> int:
     engines = build_hybrid_engine(cfg, ds_config)
     scorers = build_scorers(cfg, engines, tokenizers, components)
     sampler = build_sampler(cfg, engines.actor, tokenizer, rank, split)
-    value_weights = critic_value_weights(cfg, scorers.run.reward_model)
+    value_readout = critic_readout(cfg, scorers.run.reward_model)
     collector = RolloutCollector.for_run(cfg, prompts, sampler, scorers.run, tokenizer, episodes, responses)
     run.track("rollout", collector, rolls_back=True)  # the prompt position and the groups waiting
     evaluator = (
@@ -157,9 +157,9 @@ def main() -> int:
     for line in sandbox:  # printed, and kept in events.jsonl
         run.event("code_sandbox", line)
     distill = DistillSettings.from_config(cfg.distill, vocab=engines.actor.module.config.vocab_size)
-    update = UpdateSettings.from_config(cfg, value_weights, tokenizer.pad_token_id, engines.critic, distill)
+    update = UpdateSettings.from_config(cfg, value_readout, tokenizer.pad_token_id, engines.critic, distill)
     experience = ExperienceSettings.from_config(
-        cfg, value_weights, values_from_update=update.values_gae is not None, distill=distill
+        cfg, value_readout, values_from_update=update.values_gae is not None, distill=distill
     )
     if rank == 0:
         print(

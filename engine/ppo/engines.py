@@ -23,6 +23,7 @@ from engine.models.deepspeed_glue import (
 )
 from engine.models.loading import load_causal_lm, load_value_model
 from engine.models.lora import ReferenceView, add_adapters
+from engine.ppo.forwards import ValueReadout
 from engine.ppo.inputs import Tokenizers
 from engine.ppo.rewards import RewardModelScorer, RewardScorer, Scorers
 from engine.rewards.components import RewardComponents
@@ -108,12 +109,13 @@ def build_hybrid_engine(cfg: PPOConfig, ds_config: dict) -> HybridEngine:
     )
 
 
-def critic_value_weights(cfg: PPOConfig, reward_model: RewardModelScorer | None) -> torch.Tensor:
-    """(C,) weights of the critic's outputs in its value: a critic that kept the reward model's
-    head weighs its components as the reward model's total does; a new head has one output."""
-    return (
-        reward_model.weights if reward_model is not None and cfg.critic_source().components is None else torch.ones(1)
-    )
+def critic_readout(cfg: PPOConfig, reward_model: RewardModelScorer | None) -> ValueReadout:
+    """How the critic's outputs make its value: a critic that kept the reward model's head reads it
+    as the reward model's term of the reward (:meth:`RewardModelScorer.readout`); a new head's one
+    output is the value."""
+    if reward_model is None or cfg.critic_source().components is not None:
+        return ValueReadout(torch.ones(1))
+    return reward_model.readout()
 
 
 def build_sampler(cfg: PPOConfig, actor_engine, tokenizer, rank: int, split: SplitWorld | None) -> Sampler:

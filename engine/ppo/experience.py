@@ -131,7 +131,7 @@ def make_experience(
     )  # (B, T)
     ref_logprobs = pad_right(sequence_logprobs(engines.ref, sequences, prompt_lens, **tempered), T)  # (B, T)
     values = (
-        pad_right(sequence_values(engines.critic, sequences, prompt_lens, settings.value_weights, **forward), T)
+        pad_right(sequence_values(engines.critic, sequences, prompt_lens, settings.value_readout, **forward), T)
         if engines.critic is not None and not settings.values_from_update
         else torch.zeros(len(samples), T)
     )  # (B, T)

@@ -6,6 +6,7 @@ actor or the reference, the critic's value before it, in the micro-batches every
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -37,24 +38,37 @@ def sequence_logprobs(
     )
 
 
-def response_values(
-    output: torch.Tensor, packed, prompt_lens: Sequence[int], weights: torch.Tensor
-) -> list[torch.Tensor]:
-    """Critic value of the state before each response token: (R,) per sequence.
+@dataclass(frozen=True)
+class ValueReadout:
+    """The critic's value from its C outputs: ``outputs @ weights + bias``.
 
-    A critic initialised from a decomposed reward model keeps its C outputs; the value is their
-    weighted sum, so it starts as the reward model's total.
+    A new head's one output is the value (weights ``[1]``, bias 0). A critic that kept the reward
+    model's head reads it as the reward model's term of the reward (its components weighted,
+    standardised with reward_stats.json, times reward_model.weight), so it starts as that term, on
+    the reward's scale (OpenRLHF's critic applies the reward model's normalisation likewise).
     """
+
+    weights: torch.Tensor  # (C,)
+    bias: float = 0.0
+
+    def __call__(self, outputs: torch.Tensor) -> torch.Tensor:
+        """(..., C) outputs -> (...) values."""
+        return (outputs * self.weights).sum(-1) + self.bias
+
+
+def response_values(
+    output: torch.Tensor, packed, prompt_lens: Sequence[int], readout: ValueReadout
+) -> list[torch.Tensor]:
+    """Critic value of the state before each response token: (R,) per sequence."""
     positions, _, lengths = response_positions(packed, prompt_lens)
-    values = output[0, positions.to(output.device)].float().cpu()  # (K, C)
-    return list((values * weights).sum(-1).split(lengths))
+    return list(readout(output[0, positions.to(output.device)].float().cpu()).split(lengths))  # (K, C) -> (K,)
 
 
 def sequence_values(
     critic,
     sequences: Sequence[list[int]],
     prompt_lens: Sequence[int],
-    weights: torch.Tensor,
+    readout: ValueReadout,
     max_tokens: int,
     pad_token_id: int,
     share_prompts: bool,
@@ -69,7 +83,7 @@ def sequence_values(
         pad_token_id,
         share_prompts,
         lambda packed, idx: response_values(
-            packed_forward(critic, packed), packed, [prompt_lens[i] for i in idx], weights
+            packed_forward(critic, packed), packed, [prompt_lens[i] for i in idx], readout
         ),
     )
 

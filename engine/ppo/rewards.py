@@ -28,6 +28,7 @@ from engine.data.chat import (
 )
 from engine.data.prompts import Prompt
 from engine.environments.episodes import episode_scores
+from engine.ppo.forwards import ValueReadout
 from engine.rewards.components import ComponentScores, RewardComponents, RewardsUnavailable, ScoringBatch
 from engine.rewards.reward_model import head_names, reward_model_heads
 from engine.rollout.sampler import Sample
@@ -105,6 +106,12 @@ class RewardModelScorer:
     def total(self, heads: torch.Tensor) -> torch.Tensor:
         """(B,) the weighted heads, standardised, times reward_model.weight."""
         return self.section.weight * ((heads * self.weights).sum(-1) - self.mean) / self.std
+
+    def readout(self) -> ValueReadout:
+        """:meth:`total` as a critic's readout of this model's heads: a critic that starts from the
+        reward model starts as its term of the reward, on the reward's scale."""
+        scale = self.section.weight / self.std
+        return ValueReadout(self.weights * scale, -self.mean * scale)
 
 
 def length_debiased(scores: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, float]:

@@ -15,6 +15,7 @@ import torch
 
 from engine.models.loading import trains_as_it_evaluates
 from engine.ppo.distill import DistillSettings
+from engine.ppo.forwards import ValueReadout
 from engine.ppo.losses import PolicyLoss, clipped_policy_loss, dual_clip_policy_loss, gspo_policy_loss
 from engine.ppo.rollout_correction import RolloutCorrection
 from engine.run_config import AdvantageEstimator, KLEstimator, LossAggregation, PPOConfig
@@ -80,7 +81,7 @@ class ExperienceSettings:
     """How :func:`engine.ppo.experience.make_experience` turns a rollout into experience."""
 
     max_tokens: int  # token budget of one packed forward
-    value_weights: torch.Tensor  # (C,) the critic's value is the weighted sum of its C outputs
+    value_readout: ValueReadout  # the critic's value from its C outputs
     kl_estimator: KLEstimator  # of the KL in the reward
     gae: GaeSettings
     advantage_estimator: AdvantageEstimator = "gae"
@@ -98,13 +99,13 @@ class ExperienceSettings:
     def from_config(
         cls,
         cfg: PPOConfig,
-        value_weights: torch.Tensor,
+        value_readout: ValueReadout,
         values_from_update: bool,
         distill: DistillSettings | None = None,
     ) -> ExperienceSettings:
         return cls(
             max_tokens=cfg.ppo.max_tokens_per_micro_batch,
-            value_weights=value_weights,
+            value_readout=value_readout,
             kl_estimator=cfg.ppo.kl_estimator,
             gae=GaeSettings.from_config(cfg),
             advantage_estimator=cfg.ppo.advantage_estimator,
@@ -125,7 +126,7 @@ class UpdateSettings:
     """How :func:`engine.ppo.update.update_on_rollout` trains the actor and the critic on a rollout."""
 
     policy: PolicyLossSettings
-    value_weights: torch.Tensor  # (C,) as in ExperienceSettings
+    value_readout: ValueReadout  # as in ExperienceSettings
     value_clip: float
     ppo_epochs: int
     mini_batch_size: int  # sequences per optimizer step, over all ranks
@@ -140,14 +141,14 @@ class UpdateSettings:
     def from_config(
         cls,
         cfg: PPOConfig,
-        value_weights: torch.Tensor,
+        value_readout: ValueReadout,
         pad_token_id: int,
         critic,
         distill: DistillSettings | None = None,
     ) -> UpdateSettings:
         return cls(
             policy=PolicyLossSettings.from_config(cfg, distill),
-            value_weights=value_weights,
+            value_readout=value_readout,
             value_clip=cfg.ppo.value_clip,
             ppo_epochs=cfg.ppo.ppo_epochs,
             mini_batch_size=cfg.ppo.mini_batch_size,

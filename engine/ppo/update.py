@@ -162,7 +162,7 @@ def critic_step(
     sums = torch.zeros(4, dtype=torch.float64)  # vf_loss, clipped tokens, value, tokens
     for rows, mb, packed in _micro_batches(engine, batch, settings):
         values = pad_right(
-            response_values(packed_forward(engine, packed), packed, mb.prompt_lens, settings.value_weights),
+            response_values(packed_forward(engine, packed), packed, mb.prompt_lens, settings.value_readout),
             mb.mask.shape[1],
         )
         if values_gae is not None:

@@ -15,7 +15,7 @@ import torch
 from engine.data.packing import last_token, pack_sequences, packed_forward
 from engine.data.response_tokens import response_logprobs
 from engine.models.loading import load_causal_lm, load_value_model, resolve_attention
-from engine.ppo.forwards import response_values
+from engine.ppo.forwards import ValueReadout, response_values
 from engine.rollout.sampler import HFSampler, SamplingSettings
 from engine.run.checkpoint import rng_state, set_rng_state
 from engine.run.distributed import all_reduce
@@ -56,7 +56,7 @@ def main(model_dir: str) -> int:
             last_token(packed_forward(cpu_vm, packed), packed),
             last_token(packed_forward(gpu_vm, packed), packed),
         )
-        v_gpu = response_values(packed_forward(gpu_vm, packed), packed, prompt_lens, torch.ones(2))
+        v_gpu = response_values(packed_forward(gpu_vm, packed), packed, prompt_lens, ValueReadout(torch.ones(2)))
     check(
         "rewards at the last token cuda == cpu",
         torch.allclose(r_cpu, r_gpu, atol=1e-4) and r_gpu.device.type == "cpu",

@@ -37,7 +37,7 @@ from engine.data.preferences import collate_pairs, load_preferences
 from engine.dpo.training import PreferenceLossSettings, dpo_step
 from engine.models.loading import load_causal_lm, load_value_model
 from engine.ppo.experience import Experience
-from engine.ppo.forwards import pad_right, sequence_logprobs
+from engine.ppo.forwards import ValueReadout, pad_right, sequence_logprobs
 from engine.ppo.losses import aggregation_weights
 from engine.ppo.settings import PolicyLossSettings, UpdateSettings
 from engine.ppo.update import actor_step, actor_token_loss, critic_step
@@ -116,7 +116,7 @@ def experience(sequences, prompt_lens, old_logprobs: list[torch.Tensor], rank: i
 def ppo_settings(samples: int, share: bool) -> UpdateSettings:
     return UpdateSettings(
         policy=SETTINGS,
-        value_weights=torch.ones(1),
+        value_readout=ValueReadout(torch.ones(1)),
         value_clip=0.2,
         ppo_epochs=1,
         mini_batch_size=samples,  # the steps take the whole experience (update_on_rollout cuts it)
