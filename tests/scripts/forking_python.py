@@ -1,8 +1,9 @@
-"""A warm interpreter for the tests' one-rank runs: torch, DeepSpeed, transformers and PEFT are
-imported once here, and each request forks a child that runs a script as ``python SCRIPT args...``
+"""A warm interpreter for the tests' one-rank runs: torch, DeepSpeed, transformers, PEFT and vLLM
+are imported once here, and each request forks a child that runs a script as ``python SCRIPT args...``
 would (tests/helpers.py ``launch``, ``run_script``): the ~4.5 s of imports a launched process pays on
-2 CPU cores is paid once per test session, and each run still starts from a process that has run
-nothing (a fork of this one, which only imported).
+2 CPU cores (~9 s with a vLLM sampler) is paid once per test session, and each run still starts from a
+process that has run nothing (a fork of this one, which only imported; what vLLM's import adds to the
+environment, the child's own replaces).
 
     python tests/scripts/forking_python.py < requests
 
@@ -28,6 +29,7 @@ import peft  # noqa: F401
 import torch  # noqa: F401
 import transformers.modeling_utils  # noqa: F401
 from python_commands import run
+from vllm import LLM, SamplingParams  # noqa: F401
 
 
 def child(request: dict) -> int:
