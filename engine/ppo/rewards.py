@@ -105,11 +105,12 @@ class RewardModelScorer:
 
     def total(self, heads: torch.Tensor) -> torch.Tensor:
         """(B,) the weighted heads, standardised, times reward_model.weight."""
-        return self.section.weight * ((heads * self.weights).sum(-1) - self.mean) / self.std
+        return self.readout()(heads)
 
     def readout(self) -> ValueReadout:
-        """:meth:`total` as a critic's readout of this model's heads: a critic that starts from the
-        reward model starts as its term of the reward, on the reward's scale."""
+        """The reward model's term of the reward as a linear readout of its heads (weighted,
+        standardised, times reward_model.weight): :meth:`total`, and the value of a critic that
+        starts from the reward model, so that it starts on the reward's scale."""
         scale = self.section.weight / self.std
         return ValueReadout(self.weights * scale, -self.mean * scale)
 
