@@ -179,7 +179,7 @@ def test_demo_run_configs_load():
     assert set(rm.rm.components) == {"helpful", "harmless"}  # the synthetic task's reward components
     rollout = ppo.rollout.prompts_per_iteration * ppo.rollout.samples_per_prompt
     assert (ppo.rollout.sampler, rollout // ppo.ppo.mini_batch_size) == ("vllm", 2)
-    assert (ppo.train.iterations, ppo.train.eval_every) == (30, 10)
+    assert (ppo.train.iterations, ppo.train.eval_every) == (20, 10)
 
 
 def test_ppo_gpu_options_are_checked(tmp_path):
