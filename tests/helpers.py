@@ -136,14 +136,12 @@ class ForkingPython:
             atexit.register(self.server.stdin.close)  # type: ignore[union-attr]  # the server then exits
         return self.server
 
-    def run(
-        self, argv: list[str], env: dict[str, str], timeout: float, cwd: Path = REPO
-    ) -> subprocess.CompletedProcess:
+    def run(self, argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
         with self.lock, tempfile.TemporaryDirectory() as tmp:
             server = self._started()
             assert server.stdin and server.stdout
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            request = {"argv": argv, "env": env, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
+            request = {"argv": argv, "env": env, "cwd": str(REPO), "stdout": str(out), "stderr": str(err)}
             server.stdin.write(json.dumps(request) + "\n")
             server.stdin.flush()
             pid = json.loads(server.stdout.readline())["pid"]
@@ -154,12 +152,6 @@ class ForkingPython:
             finally:
                 timer.cancel()
             return subprocess.CompletedProcess(argv, rc, out.read_text(), err.read_text())
-
-    def close(self) -> None:
-        """End the warm interpreter (it exits at the end of its input)."""
-        if self.server is not None and self.server.stdin is not None:
-            self.server.stdin.close()
-            self.server.wait(timeout=60)
 
 
 FORKING_PYTHON = ForkingPython()

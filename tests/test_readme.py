@@ -10,9 +10,8 @@ that repeats one already run is not run again; docs/own-model.md's commands run 
 own beside the others (the two take about as long), and every launch on a free port; a lane's
 plain `python` commands share one interpreter (tests/scripts/python_commands.py), each run as
 `python` would run it; the first one-rank launch (`deepspeed --num_gpus 1`) runs as written, the
-others as `python` in a fork of a warm interpreter of the lane's (tests/helpers.py ForkingPython: the
-launcher adds ~7 s of start and exit and nothing else for one rank, a fresh interpreter ~4.5 s of
-imports). Training commands run shortened (`--train.max_steps 2`, `--train.iterations 1`
+others as `python` in a process of their own (the launcher adds ~7 s of start and exit and nothing
+else for one rank). Training commands run shortened (`--train.max_steps 2`, `--train.iterations 1`
 appended: the full runs are the demo and the end-to-end tests); the guides prefer `--dry-run`
 where a full run adds nothing. Weights & Biases is off (WANDB_MODE=disabled: its service's start and
 stop cost seconds a run; tests/test_train_rm.py checks an offline wandb run).
@@ -31,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from helpers import ForkingPython, free_port
+from helpers import free_port
 
 from engine.config import ConfigError, load_config
 from engine.run_config import SCRIPT_CONFIGS
@@ -155,11 +154,13 @@ def with_free_port(command: str) -> str:
     return command.replace("deepspeed --num_gpus", f"deepspeed --master_port {free_port()} --num_gpus")
 
 
-def one_rank_arguments(command: str) -> list[str] | None:
-    """A one-rank launch's arguments as ``python`` takes them (None for any other command): the script
-    joins a one-rank group itself, and the launcher's two processes add ~7 s of start and exit and
-    nothing else (tests/helpers.py launch)."""
-    return python_arguments(f"python {command.removeprefix(ONE_RANK)}") if command.startswith(ONE_RANK) else None
+def without_launcher(command: str) -> str:
+    """A one-rank launch as ``python`` runs it, on a free rendezvous port: the script joins a one-rank
+    group itself, and the launcher's two processes add ~7 s of start and exit and nothing else
+    (tests/helpers.py launch)."""
+    if not command.startswith(ONE_RANK):
+        return command
+    return f"MASTER_PORT={free_port()} python {command.removeprefix(ONE_RANK)}"
 
 
 def python_arguments(command: str) -> list[str] | None:
@@ -174,9 +175,8 @@ def python_arguments(command: str) -> list[str] | None:
 def run_lane(root: Path, env: dict[str, str], lane: list[tuple[str, str]], as_written: str) -> None:
     """Run ``(page, command)`` pairs in order; fail on the first that does not exit 0. The lane's
     plain ``python`` commands run one after another in one interpreter
-    (tests/scripts/python_commands.py: the imports paid once), its one-rank launches other than
-    ``as_written`` in forks of a warm interpreter (tests/helpers.py ForkingPython, the lane's own), on a
-    free port, the others in bash."""
+    (tests/scripts/python_commands.py: the imports paid once), the others in bash, one-rank launches
+    other than ``as_written`` without the launcher."""
     interpreter = subprocess.Popen(
         [sys.executable, str(REPO / "tests" / "scripts" / "python_commands.py")],
         cwd=root,
@@ -185,22 +185,18 @@ def run_lane(root: Path, env: dict[str, str], lane: list[tuple[str, str]], as_wr
         stdout=subprocess.PIPE,
         text=True,
     )
-    forks = ForkingPython()
     assert interpreter.stdin and interpreter.stdout
     try:
         for page, command in lane:
-            arguments, launched = python_arguments(command), one_rank_arguments(command)
+            arguments = python_arguments(command)
             if arguments is not None:
                 interpreter.stdin.write(json.dumps(arguments) + "\n")
                 interpreter.stdin.flush()
                 answer = json.loads(interpreter.stdout.readline() or '{"rc": -1, "output": "the interpreter died"}')
                 rc, output = answer["rc"], answer["output"]
-            elif launched is not None and command != as_written:
-                forked = forks.run(launched, env | {"MASTER_PORT": str(free_port())}, timeout=600, cwd=root)
-                rc, output = forked.returncode, f"{forked.stdout[-3000:]}\n{forked.stderr[-3000:]}"
             else:
                 result = subprocess.run(
-                    ["bash", "-c", with_free_port(command)],
+                    ["bash", "-c", with_free_port(command if command == as_written else without_launcher(command))],
                     cwd=root,
                     env=env,
                     capture_output=True,
@@ -212,7 +208,6 @@ def run_lane(root: Path, env: dict[str, str], lane: list[tuple[str, str]], as_wr
     finally:
         interpreter.stdin.close()
         interpreter.wait(timeout=60)
-        forks.close()
 
 
 @pytest.fixture(scope="module")
