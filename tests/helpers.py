@@ -102,21 +102,10 @@ def launch_two_nodes(
     return results
 
 
-def run_launched(
-    cmd: list[str], ranks: int, env: dict[str, str] | None = None, check: bool = True
-) -> subprocess.CompletedProcess:
-    """Run a launcher command (OMP threads shared between ranks); fails the test on error unless
-    ``check`` is false. ``env`` adds variables (e.g. RLHF_FAULTS)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1" if ranks > 1 else "2", **(env or {})}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
-    if check:
-        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return result
-
-
 class ForkingPython:
-    """``python SCRIPT args...`` run in a fork of a warm interpreter (tests/scripts/forking_python.py):
-    the same process a fresh ``python`` would make, less ~4.5 s of imports. One run at a time."""
+    """Launches run in forks of a warm interpreter (tests/scripts/forking_python.py): ``python SCRIPT
+    args...``, or the ranks of a launch, each the same process a fresh ``python`` would make, less ~4.5 s
+    of imports (~9 s with vLLM) each. One launch at a time."""
 
     def __init__(self):
         self.server: subprocess.Popen | None = None
@@ -136,40 +125,66 @@ class ForkingPython:
             atexit.register(self.server.stdin.close)  # type: ignore[union-attr]  # the server then exits
         return self.server
 
-    def run(self, argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    def run(self, processes: list[dict], timeout: float, unbuffered: bool = False) -> subprocess.CompletedProcess:
+        """Run ``processes`` (``{"argv": after python, "env": the whole environment}`` each) together:
+        the first to fail stops the others and its exit status is the result's; their output shared."""
         with self.lock, tempfile.TemporaryDirectory() as tmp:
             server = self._started()
             assert server.stdin and server.stdout
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            request = {"argv": argv, "env": env, "cwd": str(REPO), "stdout": str(out), "stderr": str(err)}
-            server.stdin.write(json.dumps(request) + "\n")
+            request = {"processes": processes, "unbuffered": unbuffered, "cwd": str(REPO)}
+            server.stdin.write(json.dumps(request | {"stdout": str(out), "stderr": str(err)}) + "\n")
             server.stdin.flush()
-            pid = json.loads(server.stdout.readline())["pid"]
-            timer = threading.Timer(timeout, os.kill, (pid, signal.SIGKILL))
+            pids = json.loads(server.stdout.readline())["pids"]
+            timer = threading.Timer(timeout, lambda: [os.kill(pid, signal.SIGKILL) for pid in pids])
             timer.start()
             try:
                 rc = json.loads(server.stdout.readline())["rc"]
             finally:
                 timer.cancel()
-            return subprocess.CompletedProcess(argv, rc, out.read_text(), err.read_text())
+            return subprocess.CompletedProcess(processes[0]["argv"], rc, out.read_text(), err.read_text())
 
 
 FORKING_PYTHON = ForkingPython()
 
 
+def run_ranks(
+    argv: list[str], ranks: int, env: dict[str, str] | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
+    """``deepspeed --num_gpus ranks SCRIPT args...`` (``argv``) as the launcher starts it: each rank
+    ``python -u SCRIPT --local_rank=k args...`` with the launcher's rendezvous variables and the working
+    directory on PYTHONPATH, one OpenMP thread each (one rank: two); the first rank to fail stops the
+    others and gives the exit status. The ranks are forked from a warm interpreter (:class:`ForkingPython`);
+    the launcher's own paths are tested by the runs of two nodes, the signal and exit-code tests
+    (:func:`start_launched`, tests/test_crash_resume.py) and the README's commands."""
+    path = os.pathsep.join(p for p in (str(REPO), (env or {}).get("PYTHONPATH", os.environ.get("PYTHONPATH"))) if p)
+    world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(ranks)}
+    world |= {"CROSS_RANK": "0", "CROSS_SIZE": "1", "LOCAL_SIZE": str(ranks), "PYTHONPATH": path}
+    threads = {"OMP_NUM_THREADS": "1" if ranks > 1 else "2"}
+    processes = [
+        {
+            "argv": [argv[0], f"--local_rank={k}", *argv[1:]],
+            "env": {**os.environ, **threads, **(env or {}), **world, "RANK": str(k), "LOCAL_RANK": str(k)},
+        }
+        for k in range(ranks)
+    ]
+    result = FORKING_PYTHON.run(processes, timeout=900, unbuffered=True)
+    if check:
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result
+
+
 def launch(
     script: str, config: Path, *extra: str, ranks: int = 1, env: dict[str, str] | None = None, check: bool = True
 ) -> subprocess.CompletedProcess:
-    """``deepspeed --num_gpus ranks train/<script> --config config extra...``; one rank runs as
-    ``python train/<script> ...`` (forked from a warm interpreter: :class:`ForkingPython`), which joins
-    a one-rank group itself (engine/run/distributed.py): for one rank the launcher adds ~5 s of
-    start-up and nothing else. The launcher's own paths are tested by the runs of several ranks or
-    nodes, the signal tests (:func:`start_launched`) and the README's commands."""
+    """``deepspeed --num_gpus ranks train/<script> --config config extra...`` (:func:`run_ranks`); one
+    rank runs as ``python train/<script> ...``, which joins a one-rank group itself
+    (engine/run/distributed.py): for one rank the launcher adds ~5 s of start-up and nothing else."""
     script_cmd = [str(REPO / "train" / script), "--config", str(config), *extra]
     if ranks > 1:
-        return run_launched([*launcher_cmd(ranks), *script_cmd], ranks, env, check)
+        return run_ranks(script_cmd, ranks, env, check)
     run_env = {**os.environ, "OMP_NUM_THREADS": "2", "MASTER_PORT": str(free_port()), **(env or {})}
-    result = FORKING_PYTHON.run(script_cmd, run_env, timeout=900)
+    result = FORKING_PYTHON.run([{"argv": script_cmd, "env": run_env}], timeout=900)
     if check:
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result
@@ -181,9 +196,8 @@ def run_script(
     """``python train/<script> --config config extra...`` (one rank, forked from a warm interpreter) for
     runs that are refused before training or dry runs: no process group, no environment for the run
     (``env`` adds variables, e.g. RLHF_FAULTS)."""
-    return FORKING_PYTHON.run(
-        [str(REPO / "train" / script), "--config", str(config), *extra], {**os.environ, **(env or {})}, timeout=300
-    )
+    argv = [str(REPO / "train" / script), "--config", str(config), *extra]
+    return FORKING_PYTHON.run([{"argv": argv, "env": {**os.environ, **(env or {})}}], timeout=300)
 
 
 def faults(**spec) -> dict[str, str]:

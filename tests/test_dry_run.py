@@ -14,7 +14,7 @@ import pytest
 from helpers import REPO, faults, launch, run_script, write_ppo_config, write_rm_config
 
 
-def test_rm_dry_run_under_the_launcher_prints_the_plan_once(tiny_model_dir, rm_data, tmp_path):
+def test_rm_dry_run_on_two_ranks_prints_the_plan_once(tiny_model_dir, rm_data, tmp_path):
     config = write_rm_config(tmp_path / "rm.json", tiny_model_dir, rm_data, tmp_path / "run")
     out = launch("train_rm.py", config, "--dry-run", ranks=2).stdout
     assert out.count("dry run of train_rm.py (2 rank(s))") == 1  # rank 0 only

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_repeats, assert_same_weights, launcher_cmd
+from helpers import assert_repeats, assert_same_weights, run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "scripts" / "ds_config_steps.py"
@@ -113,12 +113,12 @@ def test_fp32_zero2_and_zero3_agree(one_rank):
     assert_same_weights(torch.load(a["weights"]), torch.load(b["weights"]))
 
 
-def test_two_ranks_under_the_deepspeed_launcher(one_rank, tiny_model_dir, tmp_path):
+def test_two_ranks_take_the_steps_of_one(one_rank, tiny_model_dir, tmp_path):
     """Two ranks, each on its half of the global batch, take the steps one rank takes on all of it:
     the same mean loss at every step and the same weights at the end. Without the gradient's
     all-reduce each rank's partition would follow its own half's gradient."""
-    cmd = [*launcher_cmd(2), str(SCRIPT), str(tiny_model_dir), "tiny_cpu_zero3.json", "--save-weights", str(tmp_path)]
-    (result,) = run_steps(cmd)
+    cmd = [str(SCRIPT), str(tiny_model_dir), "tiny_cpu_zero3.json", "--save-weights", str(tmp_path)]
+    (result,) = [json.loads(ln) for ln in run_ranks(cmd, ranks=2).stdout.splitlines() if ln.startswith("{")]
     single = one_rank["tiny_cpu_zero3.json"]
     assert result["world"] == 2 and result["in_effect"] == single["in_effect"]
     rank0, rank1 = result["rank_losses"]

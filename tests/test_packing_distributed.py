@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import launcher_cmd, run_launched
+from helpers import run_ranks
 
 from engine.models.loading import load_causal_lm
 
@@ -18,8 +18,8 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def two_rank_run(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("packed_zero3")
-    cmd = [*launcher_cmd(2), str(REPO / "tests" / "scripts" / "packed_zero3_step.py"), str(tiny_model_dir), str(out)]
-    result = run_launched(cmd, ranks=2)
+    cmd = [str(REPO / "tests" / "scripts" / "packed_zero3_step.py"), str(tiny_model_dir), str(out)]
+    result = run_ranks(cmd, ranks=2)
     (line,) = [ln for ln in result.stdout.splitlines() if ln.startswith("{")]
     return json.loads(line), out
 
@@ -63,12 +63,11 @@ def test_shared_prompts_give_the_whole_sequence_gradient_on_two_ranks_under_zero
     step under each loss aggregation and DPO's step under each preference loss on two ranks against one
     process's whole-batch gradient."""
     cmd = [
-        *launcher_cmd(2),
         str(REPO / "tests" / "scripts" / "shared_prompt_steps.py"),
         str(tiny_model_dir),
         str(rm_data / "validation.parquet"),
     ]
-    (line,) = [ln for ln in run_launched(cmd, ranks=2).stdout.splitlines() if ln.startswith("{")]
+    (line,) = [ln for ln in run_ranks(cmd, ranks=2).stdout.splitlines() if ln.startswith("{")]
     report = json.loads(line)
     assert report["world"] == 2 and report["tokens"]["shared"] < 0.7 * report["tokens"]["plain"]
     for stage in ("zero2", "zero3"):

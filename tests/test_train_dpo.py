@@ -1,4 +1,4 @@
-"""train/train_dpo.py end to end under the real deepspeed launcher (2 ranks, CPU, gloo, tiny model),
+"""train/train_dpo.py end to end as the deepspeed launcher starts it (2 ranks, CPU, gloo, tiny model),
 its resume, and the step and evaluation on one rank, all against a naive padded computation."""
 
 from __future__ import annotations

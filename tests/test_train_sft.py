@@ -1,4 +1,4 @@
-"""train/train_sft.py end to end under the real deepspeed launcher (CPU, gloo, tiny model)."""
+"""train/train_sft.py end to end as the deepspeed launcher starts it (CPU, gloo, tiny model)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from helpers import launcher_cmd, run_launched
+from helpers import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -31,13 +31,12 @@ def test_vllm_greedy_follows_the_actor_after_each_sync(tied_tiny_model_dir):
     ranks = tensor_parallel = 2
     model_dir = tied_tiny_model_dir
     cmd = [
-        *launcher_cmd(ranks),
         str(REPO / "tests" / "scripts" / "weight_sync_check.py"),
         str(model_dir),
         "--tensor-parallel",
         str(tensor_parallel),
     ]
-    result = run_launched(cmd, ranks)
+    result = run_ranks(cmd, ranks)
     reports = rank_reports(result.stdout)
     assert sorted(r["rank"] for r in reports) == list(range(ranks))
     for r in reports:
