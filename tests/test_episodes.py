@@ -23,7 +23,7 @@ from engine.ppo.experience import Experience, sampled_token_mask
 from engine.ppo.losses import aggregation_weights, gae, token_rewards
 from engine.ppo.settings import PolicyLossSettings
 from engine.ppo.update import actor_token_loss
-from engine.rollout.sampler import HFSampler, Sample, SamplingSettings
+from engine.rollout.sampler import HFSampler, Sample, Sampler, SamplingSettings
 from engine.run_config.environment import EnvironmentSection
 
 ENVIRONMENTS = """
@@ -151,6 +151,58 @@ def test_episodes_continue_by_ids_and_a_one_turn_environment_samples_a_single_tu
             [],
         )
         assert got.episode.turns == 1 and got.episode.reward is None
+
+
+def test_vllm_asks_for_each_turn_when_the_one_before_ends(process_group, sft_run, tmp_path, monkeypatch):
+    """One vLLM engine of its own (no tensor parallelism) samples an episode's next turn while the others'
+    turns are generated: greedy, every episode equals the turn-synchronous one's; sampled, each turn's
+    input is a prefix of the final sequence, the log-probs are vLLM's and the draw follows the seed."""
+    from engine.rollout.vllm_sampler import VLLMSampler
+
+    (tmp_path / "my_env.py").write_text(textwrap.dedent(ENVIRONMENTS))
+    monkeypatch.chdir(tmp_path)
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    model = sft_run[0] / "run" / "model"
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    sampler = VLLMSampler(str(model), 0, "float32", 256, tokenizer.eos_token_id, 16 << 20)
+    rows = prompts(["alder", "birch", "cedar", "dogwood"])
+    ids = [prompt_ids(tokenizer, p.messages) for p in rows]
+    section = EnvironmentSection(name="my_env:Echo", fields=["answer"], max_turns=3, max_observation_tokens=3)
+    runner = EpisodeRunner(section, tokenizer, import_timeout_s=60)
+    try:
+        greedy = SamplingSettings(n=1, temperature=0.0, max_new_tokens=48)
+        streamed = [s for g in runner.run(sampler, rows, ids, greedy, seed=5) for s in g]
+        with monkeypatch.context() as m:
+            m.setattr(VLLMSampler, "sample_episodes", Sampler.sample_episodes)
+            synchronous = [s for g in runner.run(sampler, rows, ids, greedy, seed=5) for s in g]
+        inputs: list[list[int]] = []
+        step = sampler.llm.llm_engine.add_request
+        monkeypatch.setattr(
+            sampler.llm.llm_engine,
+            "add_request",
+            lambda r, p, *a: inputs.append(p["prompt_token_ids"]) or step(r, p, *a),
+        )
+        sampled = SamplingSettings(n=3, temperature=1.0, max_new_tokens=48)
+        first, again = (runner.run(sampler, rows, ids, sampled, seed=9) for _ in range(2))
+    finally:
+        runner.close()
+        sampler.close()
+    assert [(s.response_ids, s.observations, s.finished, s.episode) for s in streamed] == [
+        (s.response_ids, s.observations, s.finished, s.episode) for s in synchronous
+    ]
+    assert max(s.episode.turns for s in streamed) == 3
+    for a, b in zip(streamed, synchronous):  # other batches: the same log-probs to rounding
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    samples = [s for g in first for s in g]
+    assert [[s.response_ids for s in g] for g in first] == [[s.response_ids for s in g] for g in again]
+    assert len(inputs) == 2 * sum(s.episode.turns for s in samples) and max(s.episode.turns for s in samples) > 1
+    full = [s.prompt_ids + s.response_ids for s in samples]
+    assert all(any(f[: len(x)] == x for f in full) for x in inputs)  # each turn's input: a prefix
+    for s in samples:
+        sampled_at = [i for i in range(len(s.response_ids)) if not any(b <= i < e for b, e in s.observations)]
+        assert sum(s.logprobs[i] for i in sampled_at) < 0 and len(s.observations) == s.episode.turns - 1
+        assert all(s.logprobs[i] == 0 for b, e in s.observations for i in range(b, e))
 
 
 def test_failing_and_hanging_environments_are_counted_and_the_batch_goes_on(policy):

@@ -20,8 +20,8 @@ import torch
 from engine.data.chat import PROBE
 from engine.rewards.components import ComponentScores
 from engine.rewards.pool import Call, Outcome, RewardPool
-from engine.rollout.sampler import EpisodeOutcome, Sample, Sampler, SamplingSettings
-from engine.run.distributed import RankSums, all_reduce
+from engine.rollout.sampler import EpisodeOutcome, NextTurn, Sample, Sampler, SamplingSettings
+from engine.run.distributed import RankSums
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 
 FUNCTIONS = "engine.environments.environment"
 MARKER = "OBSERVATION-7f3a9c"  # an observation's place in the rendered template
-TURN_SEED = 1_000_003  # turn t samples with request_seed + t * TURN_SEED
 
 
 class TemplateCannotObserve(ValueError):
@@ -140,53 +139,51 @@ class EpisodeRunner:
         seed: int,
     ) -> list[list[Sample]]:
         """``sampling.n`` episodes per prompt (``ids``: the prompts' rendered ids), the draw fixed by
-        ``seed``: the first turns as one ``generate`` call (a one-turn environment samples what a
-        single-turn rollout does), then the episodes still going, one call per turn."""
-        limit, workers = sampling.max_new_tokens, len(self.pool.workers)
-        groups = sampler.generate(ids, sampling, seed)
-        firsts = [s for group in groups for s in group]
-        rows = [prompts[k] for k, group in enumerate(groups) for _ in group]
-        episodes = [_Episode(f"{seed}:{i}", i % workers, list(s.prompt_ids)) for i, s in enumerate(firsts)]
-        for episode, sample in zip(episodes, firsts):
-            episode.add_turn(sample, limit)
+        ``seed``: every environment reset, then the turns as the sampler runs them
+        (:meth:`engine.rollout.sampler.Sampler.sample_episodes`), each turn that ended stepped in its
+        environment and continued after the observation while the episode goes on."""
+        n, workers = sampling.n, len(self.pool.workers)
+        rows = [prompts[k] for k in range(len(ids)) for _ in range(n)]
+        episodes = [_Episode(f"{seed}:{i}", i % workers, list(ids[i // n])) for i in range(len(rows))]
         fields = [{f: row.fields[f] for f in self.section.fields} for row in rows]
         self._call(
             episodes, "reset", [[self.section.name, e.key, r.messages, f] for e, r, f in zip(episodes, rows, fields)]
         )
-        active = [e for e in episodes if e.failure is None]
-        for e in active:
-            e.open = True
-        for turn in range(1, self.section.max_turns + 1):
-            texts = [self.tokenizer.decode(e.last_turn(), skip_special_tokens=True) for e in active]
-            self._call(active, "step", [[e.key, text] for e, text in zip(active, texts)])
-            going = []
-            for e in (e for e in active if e.failure is None):
-                observation, reward, done, e.metrics = e.reply
-                e.reward = e.reward if reward is None else (e.reward or 0.0) + reward
-                e.open = not done
-                if done or observation is None or not e.finished or turn == self.section.max_turns:
-                    continue
-                appended = self.template.ids(self.tokenizer, observation, self.section.max_observation_tokens)
-                if len(e.response) + len(appended) < limit:  # room for the observation and a turn
-                    e.add_observation(appended)
-                    going.append(e)
-            if not any_rank(bool(going)):  # the ranks sample each turn together (a sampler shared by ranks)
-                break
-            room = max((limit - len(e.response) for e in going), default=1)
-            turns = sampler.generate(
-                [e.prompt + e.response for e in going],
-                SamplingSettings(1, sampling.temperature, sampling.top_p, room),
-                seed + turn * TURN_SEED,
-            )
-            for e, group in zip(going, turns):
-                e.add_turn(group[0], limit)
-            active = going
+        for e in episodes:
+            e.open = e.failure is None
+        sampler.sample_episodes(ids, sampling, seed, lambda ended: self._next_turns(episodes, ended, sampling))
         left = [e for e in episodes if e.open]  # over for the policy, not for the environment: forgotten
         closed = self.pool.run(self._calls("close", [[e.key] for e in left]), [e.slot for e in left])
         for e, outcome in zip(left, closed):
             e.metrics = outcome.value  # None where the close failed: bookkeeping, not the episode's failure
-        samples = iter([e.sample() for e in episodes])
-        return [[next(samples) for _ in group] for group in groups]
+        samples = [e.sample() for e in episodes]
+        return [samples[k * n : (k + 1) * n] for k in range(len(ids))]
+
+    def _next_turns(
+        self, episodes: Sequence[_Episode], ended: list[tuple[int, Sample]], sampling: SamplingSettings
+    ) -> list[NextTurn]:
+        """The turns that ended added to their episodes and stepped in their environments: the next
+        turn of each episode that goes on (its observation appended, room left for a turn)."""
+        limit = sampling.max_new_tokens
+        for index, sample in ended:
+            episodes[index].add_turn(sample, limit)
+        active = [(index, episodes[index]) for index, _ in ended if episodes[index].failure is None]
+        texts = [self.tokenizer.decode(e.last_turn(), skip_special_tokens=True) for _, e in active]
+        self._call([e for _, e in active], "step", [[e.key, text] for (_, e), text in zip(active, texts)])
+        going = []
+        for index, e in active:
+            if e.failure is not None:
+                continue
+            observation, reward, done, e.metrics = e.reply
+            e.reward = e.reward if reward is None else (e.reward or 0.0) + reward
+            e.open = not done
+            if done or observation is None or not e.finished or e.turns == self.section.max_turns:
+                continue
+            appended = self.template.ids(self.tokenizer, observation, self.section.max_observation_tokens)
+            if len(e.response) + len(appended) < limit:  # room for the observation and a turn
+                e.add_observation(appended)
+                going.append(NextTurn(index, e.prompt + e.response, limit - len(e.response)))
+        return going
 
     def _call(self, episodes: Sequence[_Episode], function: str, args: Sequence[list[Any]]) -> None:
         """Call ``function`` of engine/environments/environment.py for each episode, in its worker: its
@@ -202,11 +199,6 @@ class EpisodeRunner:
 
     def close(self) -> None:
         self.pool.close()
-
-
-def any_rank(going: bool) -> bool:
-    """Whether any rank of the process group has episodes going (a collective)."""
-    return bool(all_reduce(torch.tensor([int(going)]), op=torch.distributed.ReduceOp.MAX).item())
 
 
 def episode_scores(samples: Sequence[Sample], fallback: float) -> ComponentScores:

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
+from engine.run.distributed import all_reduce
+
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
 
@@ -86,6 +88,22 @@ class Generated:
 ActorLogprobs = Callable[[Sequence[list[int]], Sequence[int]], list[torch.Tensor]]
 """(sequences, prompt lengths) -> the actor's (R_i,) response log-probs of each, untempered."""
 
+TURN_SEED = 1_000_003  # a turn-synchronous episode's round r samples with request_seed + r * TURN_SEED
+
+
+class NextTurn(NamedTuple):
+    """A turn to sample for episode ``episode``: ``ids`` (its prompt and every id so far), at most
+    ``max_new_tokens`` new."""
+
+    episode: int
+    ids: list[int]
+    max_new_tokens: int
+
+
+NextTurns = Callable[[list[tuple[int, Sample]]], list[NextTurn]]
+"""(episode, its turn that ended) for turns that ended -> the turns to sample next (multi-turn
+episodes: engine/environments/episodes.py)."""
+
 
 class Sampler:
     """What a PPO run samples with. A sampler in the trainer's process generates when asked and loads
@@ -102,6 +120,25 @@ class Sampler:
         t0 = time.perf_counter()
         samples = self.generate(prompts, settings, request_seed)
         return Generated(samples, time.perf_counter() - t0)
+
+    def sample_episodes(
+        self, prompts: Sequence[list[int]], settings: SamplingSettings, request_seed: int, next_turns: NextTurns
+    ) -> None:
+        """Multi-turn episodes: ``settings.n`` first turns per prompt (episode ``k * n + j`` is prompt
+        ``k``'s ``j``-th), each turn that ends handed to ``next_turns``, whose answer is sampled next,
+        until it answers none. Here turn-synchronous: the first turns as one :meth:`generate` (a
+        one-turn episode samples what a single-turn rollout does), then one call per round of the
+        turns asked for, the ranks of the process group calling together (a sampler shared by ranks,
+        or HF generate under ZeRO-3, is a collective)."""
+        firsts = self.generate(prompts, settings, request_seed)
+        asked = next_turns(list(enumerate(s for group in firsts for s in group)))
+        round_ = 1
+        while any_rank(bool(asked)):
+            room = max((t.max_new_tokens for t in asked), default=1)
+            turn = SamplingSettings(1, settings.temperature, settings.top_p, room)
+            groups = self.generate([t.ids for t in asked], turn, request_seed + round_ * TURN_SEED)
+            asked = next_turns([(t.episode, group[0]) for t, group in zip(asked, groups)])
+            round_ += 1
 
     def sync_weights(self, engine: DeepSpeedEngine) -> None:
         """Sample from ``engine``'s model from now on (the actor after its update)."""
@@ -127,6 +164,11 @@ class Sampler:
 
     def close(self) -> None:
         """Release what it holds."""
+
+
+def any_rank(going: bool) -> bool:
+    """Whether any rank of the process group has turns to sample (a collective)."""
+    return bool(all_reduce(torch.tensor([int(going)]), op=torch.distributed.ReduceOp.MAX).item())
 
 
 class HFSampler(Sampler):
