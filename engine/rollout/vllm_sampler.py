@@ -152,7 +152,7 @@ class VLLMSampler(Sampler):
         if self.tp_group is not None:
             return super().sample_episodes(prompts, settings, request_seed, next_turns)
         self._wake()
-        engine, asked = self.llm.llm_engine, dict[str, NextTurn]()  # by vLLM request id
+        engine, asked, live = self.llm.llm_engine, dict[str, NextTurn](), set[str]()  # by vLLM request id
 
         def ask(turns: Sequence[NextTurn]) -> None:
             for turn in turns:
@@ -160,6 +160,7 @@ class VLLMSampler(Sampler):
                 params = sampling_params(1, settings, turn.max_new_tokens)
                 engine.add_request(request, {"prompt_token_ids": turn.ids}, params)
                 asked[request] = turn
+                live.add(request)
 
         trainer_rng = torch.get_rng_state()
         torch.manual_seed(request_seed)
@@ -173,10 +174,13 @@ class VLLMSampler(Sampler):
             )
             while engine.has_unfinished_requests():
                 ended = [out for out in engine.step() if out.finished]
+                live.difference_update(out.request_id for out in ended)
                 if ended:
                     turns = [asked[out.request_id] for out in ended]
                     ask(next_turns([(t.episode, completed(t.ids, out.outputs[0])) for t, out in zip(turns, ended)]))
         finally:
+            if live:  # an environment's error stopped the episodes: no request may reach the next call
+                engine.abort_request(list(live))
             torch.set_rng_state(trainer_rng)
 
     def response_logprobs(self, sequences: Sequence[list[int]], prompt_lens: Sequence[int]) -> list[list[float]]:
