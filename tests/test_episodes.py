@@ -1,8 +1,9 @@
-"""Multi-turn episodes (engine/environments/episodes.py) with the real HF sampler on the tiny model and
-environments in worker processes: token in, token out (every turn's input a prefix of the final
-sequence, observations as the template's ids), a one-turn environment samples what a single-turn
-rollout does, failing and hanging environments are counted and the batch goes on; the tool
-environment's calls; GAE and token rewards across observations."""
+"""Multi-turn episodes (engine/environments/episodes.py) with the real HF sampler on the tiny model (and
+colocated vLLM, which asks for each turn on its own) and environments in worker processes: token in,
+token out (every turn's input a prefix of the final sequence, observations as the template's ids), a
+one-turn environment samples what a single-turn rollout does, failing and hanging environments are
+counted and the batch goes on; the tool environment's calls; GAE and token rewards across
+observations."""
 
 from __future__ import annotations
 
