@@ -156,8 +156,9 @@ def test_episodes_continue_by_ids_and_a_one_turn_environment_samples_a_single_tu
 
 def test_vllm_asks_for_each_turn_when_the_one_before_ends(process_group, sft_run, tmp_path, monkeypatch):
     """One vLLM engine of its own (no tensor parallelism) samples an episode's next turn while the others'
-    turns are generated: greedy, every episode equals the turn-synchronous one's; sampled, each turn's
-    input is a prefix of the final sequence, the log-probs are vLLM's and the draw follows the seed."""
+    turns are generated: greedy, every episode equals the turn-synchronous one's; a one-turn environment
+    samples what a single-turn rollout does; sampled, each turn's input is a prefix of the final
+    sequence, the log-probs are vLLM's and the draw follows the seed."""
     from engine.rollout.vllm_sampler import VLLMSampler
 
     (tmp_path / "my_env.py").write_text(textwrap.dedent(ENVIRONMENTS))
@@ -177,6 +178,13 @@ def test_vllm_asks_for_each_turn_when_the_one_before_ends(process_group, sft_run
         with monkeypatch.context() as m:
             m.setattr(VLLMSampler, "sample_episodes", Sampler.sample_episodes)
             synchronous = [s for g in runner.run(sampler, rows, ids, greedy, seed=5) for s in g]
+        sampled = SamplingSettings(n=3, temperature=1.0, max_new_tokens=48)
+        one_step = EpisodeRunner(EnvironmentSection(name="my_env:OneStep"), tokenizer, import_timeout_s=60)
+        try:
+            single_turn = [s for g in one_step.run(sampler, rows, ids, sampled, seed=9) for s in g]
+        finally:
+            one_step.close()
+        rollout = [s for g in sampler.generate(ids, sampled, 9) for s in g]
         inputs: list[list[int]] = []
         step = sampler.llm.llm_engine.add_request
         monkeypatch.setattr(
@@ -184,7 +192,6 @@ def test_vllm_asks_for_each_turn_when_the_one_before_ends(process_group, sft_run
             "add_request",
             lambda r, p, *a: inputs.append(p["prompt_token_ids"]) or step(r, p, *a),
         )
-        sampled = SamplingSettings(n=3, temperature=1.0, max_new_tokens=48)
         first, again = (runner.run(sampler, rows, ids, sampled, seed=9) for _ in range(2))
     finally:
         runner.close()
@@ -195,6 +202,9 @@ def test_vllm_asks_for_each_turn_when_the_one_before_ends(process_group, sft_run
     assert max(s.episode.turns for s in streamed) == 3
     for a, b in zip(streamed, synchronous):  # other batches: the same log-probs to rounding
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    assert [(s.response_ids, s.logprobs, s.finished) for s in single_turn] == [
+        (s.response_ids, s.logprobs, s.finished) for s in rollout
+    ]  # a one-turn environment samples what a single-turn rollout does
     samples = [s for g in first for s in g]
     assert [[s.response_ids for s in g] for g in first] == [[s.response_ids for s in g] for g in again]
     assert len(inputs) == 2 * sum(s.episode.turns for s in samples) and max(s.episode.turns for s in samples) > 1

@@ -148,7 +148,9 @@ class VLLMSampler(Sampler):
         """Multi-turn episodes with each turn asked for as soon as the one before it ended, while the
         others are generated (one engine of this rank's own: with tensor parallelism the ranks sample
         turn-synchronously, :meth:`Sampler.sample_episodes`). The draw depends only on
-        ``request_seed``: vLLM samples from the global torch RNG, seeded with it for the whole run."""
+        ``request_seed``: vLLM samples from the global torch RNG, seeded with it for the whole run,
+        and the first turns are the samples :meth:`generate` draws (a one-turn episode samples what a
+        single-turn rollout does)."""
         if self.tp_group is not None:
             return super().sample_episodes(prompts, settings, request_seed, next_turns)
         self._wake()
