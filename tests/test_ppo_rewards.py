@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from math_verify import parse, verify
 from transformers import AutoTokenizer
 
 from engine.models.loading import load_value_model
@@ -60,6 +61,8 @@ def test_verifiers():
     assert final_answer("Answer: 7.", pattern=r"Answer: (\d+)") == "7"
     assert [math_reward(r, "1/2") for r in ("#### 0.5", "\\boxed{\\frac12}", "#### 2", "0.5")] == [1.0, 1.0, 0.0, 0.0]
     assert math_reward("#### 1,000", 1000) == 1.0 and math_reward("#### abc", 3) == 0.0
+    for guess, gold in [("042", 42), ("-0", "0"), ("41", 42), ("7", " 7"), ("-12", 12), ("7.0", 7)]:  # as math-verify
+        assert math_reward(f"#### {guess}", gold) == float(verify(parse(f"${gold}$"), parse(f"${guess}$")))
     assert [length_penalty(n, 20, 60) for n in (5, 20, 40, 60, 99)] == [0.0, 0.0, -0.5, -1.0, -1.0]
 
 

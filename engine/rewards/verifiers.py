@@ -8,6 +8,7 @@ import re
 
 BOXED = "\\boxed{"
 HASHES = re.compile(r"####\s*([^\n]+)")
+INTEGER = re.compile(r"-?\d+")
 
 
 def _last_boxed(text: str) -> str | None:
@@ -38,12 +39,15 @@ def final_answer(response: str, pattern: str = "") -> str | None:
 
 def math_reward(response: str, answer: object, pattern: str = "") -> float:
     """1.0 when the response's final answer (:func:`final_answer`) equals ``answer`` mathematically
-    (Hugging Face's math-verify: ``1/2``, ``0.5`` and ``\\frac12`` are equal), else 0.0."""
-    from math_verify import parse, verify  # in the reward worker only: sympy is slow to import
-
-    predicted = final_answer(response, pattern)
+    (Hugging Face's math-verify: ``1/2``, ``0.5`` and ``\\frac12`` are equal), else 0.0. Two plain
+    integers are compared as integers: math-verify's verdict, without its parsing (sympy)."""
+    predicted, expected = final_answer(response, pattern), str(answer).strip()
     if not predicted:
         return 0.0
+    if INTEGER.fullmatch(predicted) and INTEGER.fullmatch(expected):
+        return float(int(predicted) == int(expected))
+    from math_verify import parse, verify  # in the reward worker only: sympy is slow to import
+
     gold, guess = parse(f"${answer}$"), parse(f"${predicted}$")
     return float(bool(gold) and bool(guess) and verify(gold, guess))
 
