@@ -44,11 +44,16 @@ def in_effect(stage: int, dtype: str, offloads: tuple[str, ...]) -> str:
     return f"ZeRO-{stage}, {dtype} weights, offload: {' + '.join(offloads) or 'none'}, gradient checkpointing off"
 
 
+def reports(stdout: str) -> list[dict]:
+    """The JSON lines the script printed."""
+    return [json.loads(ln) for ln in stdout.splitlines() if ln.startswith("{")]
+
+
 def run_steps(cmd: list[str]) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return [json.loads(ln) for ln in result.stdout.splitlines() if ln.startswith("{")]
+    return reports(result.stdout)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +123,7 @@ def test_two_ranks_take_the_steps_of_one(one_rank, tiny_model_dir, tmp_path):
     the same mean loss at every step and the same weights at the end. Without the gradient's
     all-reduce each rank's partition would follow its own half's gradient."""
     cmd = [str(SCRIPT), str(tiny_model_dir), "tiny_cpu_zero3.json", "--save-weights", str(tmp_path)]
-    (result,) = [json.loads(ln) for ln in run_ranks(cmd, ranks=2).stdout.splitlines() if ln.startswith("{")]
+    (result,) = reports(run_ranks(cmd, ranks=2).stdout)
     single = one_rank["tiny_cpu_zero3.json"]
     assert result["world"] == 2 and result["in_effect"] == single["in_effect"]
     rank0, rank1 = result["rank_losses"]

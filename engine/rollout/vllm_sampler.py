@@ -15,6 +15,7 @@ equals the k = 1 one.
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -154,15 +155,14 @@ class VLLMSampler(Sampler):
         if self.tp_group is not None:
             return super().sample_episodes(prompts, settings, request_seed, next_turns)
         self._wake()
-        engine, asked, live = self.llm.llm_engine, dict[str, NextTurn](), set[str]()  # by vLLM request id
+        engine, numbers, live = self.llm.llm_engine, itertools.count(), dict[str, NextTurn]()  # by request id
 
         def ask(turns: Sequence[NextTurn]) -> None:
             for turn in turns:
-                request = f"{request_seed}-{len(asked)}-{turn.episode}"
+                request = f"{request_seed}-{next(numbers)}-{turn.episode}"
                 params = sampling_params(1, settings, turn.max_new_tokens)
                 engine.add_request(request, {"prompt_token_ids": turn.ids}, params)
-                asked[request] = turn
-                live.add(request)
+                live[request] = turn
 
         trainer_rng = torch.get_rng_state()
         torch.manual_seed(request_seed)
@@ -175,11 +175,9 @@ class VLLMSampler(Sampler):
                 ]
             )
             while engine.has_unfinished_requests():
-                ended = [out for out in engine.step() if out.finished]
-                live.difference_update(out.request_id for out in ended)
+                ended = [(live.pop(out.request_id), out) for out in engine.step() if out.finished]
                 if ended:
-                    turns = [asked[out.request_id] for out in ended]
-                    ask(next_turns([(t.episode, completed(t.ids, out.outputs[0])) for t, out in zip(turns, ended)]))
+                    ask(next_turns([(t.episode, completed(t.ids, out.outputs[0])) for t, out in ended]))
         finally:
             if live:  # an environment's error stopped the episodes: no request may reach the next call
                 engine.abort_request(list(live))

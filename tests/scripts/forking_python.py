@@ -40,11 +40,10 @@ from vllm import LLM, SamplingParams  # noqa: F401
 
 def child(process: dict, request: dict) -> int:
     """Run one process of the request in this (forked) process; its exit status."""
-    append = os.O_APPEND if len(request["processes"]) > 1 else os.O_TRUNC  # the ranks share the files
     for fd, path, flags in (
         (0, os.devnull, os.O_RDONLY),
-        (1, request["stdout"], os.O_WRONLY | os.O_CREAT | append),
-        (2, request["stderr"], os.O_WRONLY | os.O_CREAT | append),
+        (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_APPEND),  # new files, shared by the ranks
+        (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND),
     ):
         opened = os.open(path, flags, 0o644)
         os.dup2(opened, fd)
