@@ -27,14 +27,15 @@ def test_cpu_threads_is_the_first_import(script):
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="the policy is left alone on GPU machines")
-def test_active_wait_policy_on_cpu_unless_the_user_chose_one():
-    probe = "import engine.run.cpu_threads, os, torch; print(os.environ.get('OMP_WAIT_POLICY'))"
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+def test_active_wait_policy_with_a_bounded_spin_on_cpu_unless_the_user_chose_one():
+    probe = "import engine.run.cpu_threads, os, torch; print(os.getenv('OMP_WAIT_POLICY'), os.getenv('GOMP_SPINCOUNT'))"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     run = lambda extra: subprocess.run(
         [sys.executable, "-c", probe], env={**env, **extra}, capture_output=True, text=True, check=True
     ).stdout.strip()
-    assert run({}) == "ACTIVE"
-    assert run({"OMP_WAIT_POLICY": "PASSIVE"}) == "PASSIVE"
+    assert run({}) == "ACTIVE 10000"  # spinning, for a bounded time
+    assert run({"GOMP_SPINCOUNT": "500"}) == "ACTIVE 500"
+    assert run({"OMP_WAIT_POLICY": "PASSIVE"}) == "PASSIVE None"
 
 
 PROBE_CONFINED = """

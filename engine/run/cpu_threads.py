@@ -9,6 +9,12 @@ generation included (0.85 vs 0.57 s measured with OMP_WAIT_POLICY=ACTIVE, whose 
 spin is 1,000 and whose unthrottled spin lasts until the next region). ACTIVE is set only
 for runs without an NVIDIA GPU (on a GPU machine spinning workers would hold cores that the
 data and sampler threads need) and only when the user did not choose a policy.
+
+With it the spin is bounded (``GOMP_SPINCOUNT``, :data:`SPIN_COUNT`, unless the user set one): an
+idle worker spinning until the next region holds a core while the trainer waits on the processes
+that need it, its reward workers and environments. Bounded, scoring and environment steps ran
+on both cores (docs/design.md#cpu-threads); a much shorter spin pays a wake-up after every
+pause between two operations.
 """
 
 from __future__ import annotations
@@ -18,12 +24,16 @@ import os
 import shutil
 import sys
 
+SPIN_COUNT = "10000"  # an idle OpenMP worker's spins before it sleeps (GOMP_SPINCOUNT): tens of microseconds
+
 
 def prefer_spinning_openmp_workers() -> None:
     if "torch" in sys.modules:  # libgomp has read its environment already
         return
-    if shutil.which("nvidia-smi") is None and os.environ.get("DS_ACCELERATOR", "cpu") == "cpu":
-        os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
+    cpu_only = shutil.which("nvidia-smi") is None and os.environ.get("DS_ACCELERATOR", "cpu") == "cpu"
+    if cpu_only and "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "ACTIVE"
+        os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
 
 
 prefer_spinning_openmp_workers()
