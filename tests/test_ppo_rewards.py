@@ -44,6 +44,9 @@ def dies(prompt, response):
 def nap(prompt, response):
     time.sleep(0.05)
     return 1.0
+
+def echo(prompt, response):
+    return response
 """
 
 
@@ -73,11 +76,13 @@ def test_pool_isolates_each_failing_call(user_functions):
         assert "unexpected keyword argument 'answer'" in pool.check(f"{user_functions}:picky", 2, ["answer"])
         assert "No module named 'nowhere'" in pool.check("nowhere:f", 2, [])
         assert "has no function 'nothing'" in pool.check(f"{user_functions}:nothing", 2, [])
+        long_reply = "0123456789" * 30_000
         calls = [
             Call(f"{user_functions}:picky", [[], "Rude!"]),
             Call(f"{user_functions}:slow", [[], "Awful"], timeout_s=0.5),
             Call(f"{user_functions}:dies", [[], "x"]),
             *[Call(f"{user_functions}:shouting", [[], r], {"answer": "1"}) for r in ("yes!", "no", "again!", "x")],
+            Call(f"{user_functions}:echo", [[], long_reply], structured=True),  # a reply of several pipe reads
         ]
         start = time.monotonic()
         outcomes = pool.run(calls)
@@ -85,7 +90,8 @@ def test_pool_isolates_each_failing_call(user_functions):
         assert outcomes[0].value is None and "I do not score rude answers" in outcomes[0].error
         assert outcomes[1].value is None and outcomes[1].timed_out
         assert outcomes[2].value is None and "exit code 7" in outcomes[2].error
-        assert [o.value for o in outcomes[3:]] == [1.0, 0.0, 1.0, 0.0]  # the replaced workers go on
+        assert [o.value for o in outcomes[3:7]] == [1.0, 0.0, 1.0, 0.0]  # the replaced workers go on
+        assert outcomes[7].value == long_reply
     finally:
         pool.close()
 

@@ -55,26 +55,43 @@ class _Worker:
             [sys.executable, "-m", "engine.rewards.worker", *imports],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            bufsize=0,  # stdout unbuffered: a line is read only after select() saw it, never from a buffer
+            bufsize=0,  # stdout unbuffered: what select() sees is all there is, besides ``received``
             start_new_session=True,  # its own process group: a kill takes what the function started
             env=env,
         )
         self.stdin: IO[bytes] = io.BufferedWriter(self.process.stdin)  # type: ignore[type-var]
         self.stdout: IO[bytes] = self.process.stdout  # type: ignore[assignment]
+        self.received = bytearray()  # read from stdout, not yet taken as lines
         self.warming = True  # until its ready line is read
 
     def send(self, request: dict[str, Any]) -> None:
         self.stdin.write((json.dumps(request) + "\n").encode())
         self.stdin.flush()
 
+    def receive(self) -> bool:
+        """Read what its stdout holds (once select() saw it readable); False at its end (it died).
+        One read, not a byte-at-a-time ``readline()`` of the unbuffered pipe."""
+        chunk = os.read(self.stdout.fileno(), 1 << 16)
+        self.received += chunk
+        return bool(chunk)
+
+    def take_line(self) -> dict[str, Any] | None:
+        """The next whole line received, parsed; None when there is none yet."""
+        end = self.received.find(b"\n")
+        if end < 0:
+            return None
+        line = bytes(self.received[: end + 1])
+        del self.received[: end + 1]
+        return json.loads(line)
+
     def read_line(self, deadline: float) -> dict[str, Any] | None:
         """The next line it writes, parsed; None when none comes by ``deadline`` or it died."""
-        with selectors.DefaultSelector() as selector:
-            selector.register(self.stdout, selectors.EVENT_READ)
-            if not selector.select(timeout=max(0.0, deadline - time.monotonic())):
-                return None
-        line = self.stdout.readline()
-        return json.loads(line) if line else None
+        while (line := self.take_line()) is None:
+            with selectors.DefaultSelector() as selector:
+                selector.register(self.stdout, selectors.EVENT_READ)
+                if not selector.select(timeout=max(0.0, deadline - time.monotonic())) or not self.receive():
+                    return None
+        return line
 
     def wait_ready(self, timeout_s: float) -> tuple[str, str] | None:
         """Wait for its warm-up: None when it imported everything, else (module, why not)."""
@@ -144,16 +161,12 @@ class RewardPool:
                         selector.register(worker.stdout, selectors.EVENT_READ, slot)
                 if not busy:
                     continue
-                now = time.monotonic()
-                for key, _ in selector.select(timeout=max(0.0, min(d for _, d in busy.values()) - now)):
-                    slot = key.data
-                    line = self.workers[slot].stdout.readline()
-                    reply = json.loads(line) if line else None
+                for slot, reply in self._replies(busy, selector):
                     if reply is not None and "id" not in reply:  # a new worker's warm-up: the reply is to come
                         self.workers[slot].warming = "importing" in reply
                         continue
                     i, _ = busy.pop(slot)
-                    selector.unregister(key.fileobj)
+                    selector.unregister(self.workers[slot].stdout)
                     if reply is not None:
                         outcomes[i] = Outcome(reply.get("value"), reply.get("error"))
                     else:
@@ -170,6 +183,24 @@ class RewardPool:
         finally:
             selector.close()
         return [o for o in outcomes if o is not None]
+
+    def _replies(
+        self, busy: dict[int, tuple[int, float]], selector: selectors.BaseSelector
+    ) -> list[tuple[int, dict[str, Any] | None]]:
+        """(slot, line) of busy workers with a whole line, received already or within the earliest
+        deadline; the line None where the worker died."""
+        held = [(slot, self.workers[slot].take_line()) for slot in busy]
+        ready: list[tuple[int, dict[str, Any] | None]] = [(slot, line) for slot, line in held if line is not None]
+        if ready:
+            return ready
+        timeout = max(0.0, min(d for _, d in busy.values()) - time.monotonic())
+        for key, _ in selector.select(timeout=timeout):
+            slot = key.data
+            if not self.workers[slot].receive():
+                ready.append((slot, None))
+            elif (line := self.workers[slot].take_line()) is not None:
+                ready.append((slot, line))
+        return ready
 
     def check(self, function: str, positional: int, keywords: Sequence[str]) -> str | None:
         """None when a worker can import ``function`` and call it with ``positional`` arguments and
