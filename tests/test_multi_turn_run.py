@@ -1,5 +1,5 @@
 """Multi-turn episodes end to end (rollout.environment in train/train_ppo.py): on 2 ranks, the SFT
-policy in colocated vLLM tensor parallel over both, a LoRA actor, GRPO with dynamic sampling, an
+policy in colocated vLLM tensor parallel over both (the model compiled), a LoRA actor, GRPO with dynamic sampling, an
 environment that answers every finished turn with an observation and scores the turns
 (tests/scripts/notes_env.py), killed (SIGKILL) in iteration 4 after its rollout and resumed from the
 iteration-2 checkpoint. Critic-free with a LoRA actor: the plan and the checkpoints name no critic
@@ -40,6 +40,7 @@ def test_episodes_with_tensor_parallel_vllm_lora_and_dynamic_sampling_stay_in_sy
         rollout__max_new_tokens=48,
         rollout__dynamic_sampling=True,
         rollout__tensor_parallel_size=2,
+        rollout__vllm_compile=True,
         rollout__environment=NOTES,
         ppo__advantage_estimator="grpo",
         ppo__kl_coef=0.0,
@@ -61,7 +62,7 @@ def test_episodes_with_tensor_parallel_vllm_lora_and_dynamic_sampling_stay_in_sy
     plan = ppo_plan_text(config, 2, capsys)
     assert "critic       none: ppo.advantage_estimator grpo needs no value model (saves ZeRO-3, 2 rank(s): " in plan
     assert "reference    none: the actor with its LoRA adapters disabled" in plan
-    assert "(LoRA rank 8: " in plan and "without LoRA:" in plan
+    assert "(LoRA rank 8: " in plan and "without LoRA:" in plan and "; the model compiled" in plan
 
     killed = launch("train_ppo.py", config, env={**env, **faults(kill_in_iteration_at=4)}, ranks=2, check=False)
     assert killed.returncode != 0 and "Traceback" not in killed.stderr, killed.stderr[-3000:]

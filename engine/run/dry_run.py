@@ -237,7 +237,7 @@ def ppo_plan(
         scored = cfg.rewards.weights() or r.environment
         print("  reward model none: " + ("the score is the rewards section's components" if scored else "no reward"))
     if r.sampler == "vllm":
-        print(f"  vLLM sampler: {vllm_memory(cfg, world)}")
+        print(f"  vLLM sampler: {vllm_memory(cfg, world)}" + ("; the model compiled" if r.vllm_compile else ""))
     sampler = vllm_bytes(cfg, device_gib) if r.sampler == "vllm" else 0.0
     if split:
         print_budget(states, cfg.actor, cfg.ppo.max_tokens_per_micro_batch, device_gib)

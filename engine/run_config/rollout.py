@@ -41,6 +41,11 @@ class RolloutSection(Config):
         gt=0,
         lt=1,
     )
+    vllm_compile: bool = option(
+        False,
+        "compile vLLM's model (torch.compile; CUDA graphs on a GPU) instead of running it eagerly: faster "
+        "generation steps after a compile when the engine starts (seconds; repeated starts read a cache)",
+    )
     vllm_sleep: bool = option(
         True, "GPU: vLLM sleeps (weights to CPU, KV cache freed) from each rollout until the next sync"
     )
