@@ -1,10 +1,10 @@
 """Multi-turn episodes end to end (rollout.environment in train/train_ppo.py): on 2 ranks, the SFT
-policy in colocated vLLM tensor parallel over both (the model compiled), a LoRA actor, GRPO with dynamic sampling, an
-environment that answers every finished turn with an observation and scores the turns
-(tests/scripts/notes_env.py), killed (SIGKILL) in iteration 4 after its rollout and resumed from the
-iteration-2 checkpoint. Critic-free with a LoRA actor: the plan and the checkpoints name no critic
-and no reference model. (An async rollout's episodes: tests/test_async_rollout.py; the episode
-runner, masks and tools on their own: tests/test_episodes.py.)"""
+policy in colocated vLLM tensor parallel over both (the model compiled), a LoRA actor, GRPO with
+dynamic sampling, an environment that answers every finished turn with an observation and scores
+the turns (tests/scripts/notes_env.py), killed (SIGKILL) in iteration 4 after its rollout and
+resumed from the iteration-2 checkpoint. Critic-free with a LoRA actor: the plan and the checkpoints
+name no critic and no reference model. (An async rollout's episodes: tests/test_async_rollout.py;
+the episode runner, masks and tools on their own: tests/test_episodes.py.)"""
 
 from __future__ import annotations
 
