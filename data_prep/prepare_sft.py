@@ -18,13 +18,11 @@ dropped and counted.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Sequence
 
 import pyarrow as pa
-from transformers import AutoTokenizer
 
 from data_prep.conversation_rows import parse_conversation_row
 from data_prep.sources import DataError
@@ -33,11 +31,14 @@ from data_prep.splits import (
     Tally,
     add_input_arguments,
     format_report,
+    load_tokenizer,
+    none_kept,
     parse_input_arguments,
     percentiles,
     read_rows,
     split_by_prompt,
     write_atomically,
+    write_summary,
 )
 from engine.data.conversations import tokenize_conversations
 
@@ -55,15 +56,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    tally = Tally()
+    tally = Tally(limits={"too_long": ("--max-length", args.max_length)})
     try:
         parsed = read_rows(
             args.input, args.split, args.skip_invalid, tally, parse_conversation_row, args.columns, args.config_name
         )
+        tokenizer = load_tokenizer(args)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     rows = []
     for start in range(0, len(parsed), 512):
         part = parsed[start : start + 512]
@@ -80,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     }
                 )
     if not rows:
-        print(f"error: no usable conversations in {args.input} (read {tally.read})", file=sys.stderr)
+        print(f"error: {none_kept('conversations', args.input, tally)}", file=sys.stderr)
         return 2
     prompts = [r["messages"][: next(i for i, m in enumerate(r["messages"]) if m["role"] == "assistant")] for r in rows]
     in_validation = split_by_prompt(prompts, args.validation_fraction, args.seed)
@@ -97,19 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     lengths = percentiles(
         {"conversation": [r["num_tokens"] for r in rows], "trained": [r["trained_tokens"] for r in rows]}
     )
-    summary = {
-        "inputs": args.input,
-        "tokenizer": args.tokenizer,
-        "seed": args.seed,
-        "read": tally.read,
-        "kept": tally.kept,
-        **{split: len(split_rows) for split, split_rows in splits.items()},
-        "dropped": dict(tally.dropped),
-        "invalid": dict(tally.invalid),
-        "token_lengths": lengths,
-    }
-    with open(os.path.join(args.out, "sft_summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+    counts = {split: len(split_rows) for split, split_rows in splits.items()}
+    write_summary(os.path.join(args.out, "sft_summary.json"), args, tokenizer, tally, counts, lengths)
     print(format_report(tally, len(splits["train"]), len(splits["validation"]), lengths))
     print(f"wrote {args.out}/{{{','.join(f'sft_{n}' for n, r in splits.items() if r)}}}.parquet")
     return 0

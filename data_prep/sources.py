@@ -26,6 +26,11 @@ class DataError(ValueError):
     """An input that cannot be used, with its location in the message."""
 
 
+class OptionError(DataError):
+    """A row an option cannot be applied to (a template field it lacks): the option's error, not the
+    row's, so never skipped; the reader (data_prep/splits.read_rows) prefixes the row's location."""
+
+
 @dataclass(frozen=True)
 class BadJSON:
     """A row whose text is not valid JSON."""
@@ -36,8 +41,9 @@ class BadJSON:
 def iter_rows(source: str, split: str = "train", config_name: str | None = None) -> Iterator[tuple[str, Any]]:
     """Yield ``(location, row)`` for every row of a file or dataset, in order.
 
-    ``split`` is used only for `datasets` names and directories, ``config_name`` (a dataset's
-    configuration, e.g. GSM8K's ``main``) only for those `load_dataset` reads.
+    ``split`` is used only for `datasets` names and directories (a missing one is refused naming
+    those there are), ``config_name`` (a dataset's configuration, e.g. GSM8K's ``main``) only for
+    those `load_dataset` reads: given for a saved directory (`load_from_disk`), it is refused.
     """
     if source.endswith(FILE_SUFFIXES) and not os.path.isfile(source):
         raise DataError(f"{source}: no such file")
@@ -110,15 +116,43 @@ def _iter_parquet(path: str) -> Iterator[tuple[str, Any]]:
 def _iter_datasets(source: str, split: str, config_name: str | None) -> Iterator[tuple[str, Any]]:
     import datasets  # imported lazily: slow to import and only needed for this input kind
 
+    saved = os.path.isdir(source) and any(
+        os.path.exists(os.path.join(source, name)) for name in ("dataset_dict.json", "dataset_info.json")
+    )
+    if saved and config_name:
+        raise DataError(
+            f"{source}: --config-name {config_name} applies to a datasets hub name or script (load_dataset); this is "
+            "a saved dataset directory (load_from_disk), which has no configurations: point --input at the one saved"
+        )
     try:
-        if os.path.isdir(source) and os.path.exists(os.path.join(source, "dataset_dict.json")):
-            dataset = datasets.load_from_disk(source)[split]
-        elif os.path.isdir(source) and os.path.exists(os.path.join(source, "dataset_info.json")):
+        if saved:
             dataset = datasets.load_from_disk(source)
+            if isinstance(dataset, datasets.DatasetDict):
+                if split not in dataset:
+                    raise DataError(_no_split(source, split, list(dataset)))
+                dataset = dataset[split]
         else:
             dataset = datasets.load_dataset(source, config_name, split=split)
+    except DataError:
+        raise
     except Exception as e:  # datasets raises many kinds (missing split or config, bad files, no hub access)
+        if (splits := _split_names(source, config_name)) and split not in splits:
+            raise DataError(_no_split(source, split, splits)) from None
         where = f" (configuration {config_name!r}, split {split!r})" if config_name else f" (split {split!r})"
         raise DataError(f"{source}{where}: not readable as a datasets name or directory: {e}") from None
     for row_no, row in enumerate(dataset, start=1):
         yield f"{source}[{split} row {row_no}]", row
+
+
+def _no_split(source: str, split: str, splits: list[str]) -> str:
+    return f"{source}: no split {split!r} (--split); its splits: {', '.join(splits)}"
+
+
+def _split_names(source: str, config_name: str | None) -> list[str]:
+    """The splits of a datasets name or script, or [] when they cannot be listed."""
+    import datasets
+
+    try:
+        return list(datasets.get_dataset_split_names(source, config_name))
+    except Exception:  # the error load_dataset raised is the one to report
+        return []

@@ -1,5 +1,5 @@
-"""What the prepare_* scripts share: reading and counting rows, the split by prompt, atomic
-parquet writes and the end-of-run table."""
+"""What the prepare_* scripts share: the tokenizer with its chat template, reading and counting rows,
+the split by prompt, atomic parquet writes, the summary and the end-of-run table."""
 
 from __future__ import annotations
 
@@ -14,13 +14,23 @@ from typing import Any, TypeVar
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from transformers import PreTrainedTokenizerBase
 
 from data_prep.columns import AS_GIVEN, ColumnMap, add_column_arguments, column_map
 from data_prep.preference_rows import DroppedRow, InvalidRow, Message
-from data_prep.sources import DataError, iter_rows
+from data_prep.sources import DataError, OptionError, iter_rows
+from engine.data import chat_templates
 
 MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 T = TypeVar("T")
+# Why a well-formed row is dropped, by reason; the length limits' reasons are each script's (Tally.limits).
+WHY_DROPPED = {
+    "duplicate_prompt": "the prompt of an earlier row (the first is kept)",
+    "empty_prompt": "an empty last user turn",
+    "empty_response": "an empty assistant response",
+    "identical_responses": "chosen and rejected are the same text",
+    "turn_mismatch": "chosen and rejected dialogues differ before their last turn",
+}
 
 
 @dataclass
@@ -30,10 +40,22 @@ class Tally:
     read: int = 0
     dropped: Counter = field(default_factory=Counter)  # reason -> rows (well-formed, unused)
     invalid: Counter = field(default_factory=Counter)  # reason -> rows (malformed, skipped)
+    limits: dict[str, tuple[str, int]] = field(default_factory=dict)  # length reason -> (its flag, the value)
 
     @property
     def kept(self) -> int:
         return self.read - sum(self.dropped.values()) - sum(self.invalid.values())
+
+    def why_dropped(self) -> dict[str, str]:
+        """Each reason rows were dropped for, in words, naming the flag that keeps them where one does."""
+        why = {}
+        for reason in sorted(self.dropped):
+            if reason in self.limits:
+                flag, value = self.limits[reason]
+                why[reason] = f"more than {flag} {value} tokens (a higher {flag} keeps them)"
+            else:
+                why[reason] = WHY_DROPPED.get(reason, reason)
+        return why
 
 
 def read_rows(
@@ -46,8 +68,8 @@ def read_rows(
     config_name: str | None = None,
 ) -> list[tuple[str, T]]:
     """``(location, parse(row))`` of every input row, its columns mapped first (``columns``); malformed
-    rows raise DataError unless ``skip_invalid``, a bad mapping always; dropped and skipped rows are
-    counted by reason. ``split`` and ``config_name``: of a `datasets` name or directory."""
+    rows raise DataError unless ``skip_invalid``, a bad mapping or option (OptionError) always; dropped
+    and skipped rows are counted by reason. ``split`` and ``config_name``: of a `datasets` name or directory."""
     parsed = []
     for source in inputs:
         for location, raw in iter_rows(source, split, config_name):
@@ -60,6 +82,8 @@ def read_rows(
                 if not skip_invalid:
                     raise DataError(f"{location}: {e} (--skip-invalid skips and counts such rows)") from None
                 tally.invalid[e.reason] += 1
+            except OptionError as e:
+                raise DataError(f"{location}: {e}") from None
     return parsed
 
 
@@ -101,16 +125,65 @@ def percentiles(columns: dict[str, list[int]]) -> dict[str, dict[str, int]]:
 
 
 def format_report(tally: Tally, n_train: int, n_validation: int, lengths: dict[str, dict[str, int]]) -> str:
-    """The end-of-run table: rows by fate and reason, then token-length percentiles."""
+    """The end-of-run table: rows by fate and reason (why each drop), then token-length percentiles."""
     lines = ["rows", f"  {'read':<28}{tally.read:>8}", f"  {'kept':<28}{tally.kept:>8}"]
     lines += [f"    {'train':<26}{n_train:>8}", f"    {'validation':<26}{n_validation:>8}"]
+    why = tally.why_dropped()
     for title, counts in (("dropped", tally.dropped), ("invalid (skipped)", tally.invalid)):
         lines.append(f"  {title:<28}{sum(counts.values()):>8}")
-        lines += [f"    {reason:<26}{n:>8}" for reason, n in sorted(counts.items())]
+        lines += [f"    {reason:<26}{n:>8}  {why.get(reason, '')}".rstrip() for reason, n in sorted(counts.items())]
     lines.append(f"tokens {'':<21}{'p50':>8}{'p90':>8}{'p99':>8}{'max':>8}")
     for name, s in lengths.items():
         lines.append(f"  {name:<27}{s['p50']:>8}{s['p90']:>8}{s['p99']:>8}{s['max']:>8}")
     return "\n".join(lines)
+
+
+def none_kept(what: str, inputs: Sequence[str], tally: Tally) -> str:
+    """The error of a run that kept no row: the rows read and why each kind went."""
+    why = tally.why_dropped()
+    fates = [f"{n} dropped as {reason}: {why[reason]}" for reason, n in sorted(tally.dropped.items())]
+    fates += [f"{n} skipped as {reason}" for reason, n in sorted(tally.invalid.items())]
+    return f"no usable {what} in {list(inputs)} (read {tally.read}{''.join('; ' + f for f in fates)})"
+
+
+def write_summary(
+    path: str,
+    args: argparse.Namespace,
+    tokenizer: PreTrainedTokenizerBase,
+    tally: Tally,
+    counts: dict[str, Any],
+    lengths: dict[str, dict[str, int]],
+) -> None:
+    """The summary JSON: inputs, tokenizer and chat template, seed, the rows by fate (``counts``: the
+    script's own, e.g. per split) with why each was dropped, and the token-length percentiles."""
+    summary = {
+        "inputs": args.input,
+        "tokenizer": args.tokenizer,
+        chat_templates.SUMMARY_KEY: chat_templates.summary_record(tokenizer, args.chat_template),
+        "seed": args.seed,
+        "read": tally.read,
+        "kept": tally.kept,
+        **counts,
+        "dropped": dict(tally.dropped),
+        "dropped_why": tally.why_dropped(),
+        "invalid": dict(tally.invalid),
+        "token_lengths": lengths,
+    }
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=2)
+
+
+def load_tokenizer(args: argparse.Namespace) -> PreTrainedTokenizerBase:
+    """``--tokenizer`` with ``--chat-template`` (checked by :func:`parse_input_arguments`); DataError when it
+    cannot be loaded or has no chat template."""
+    try:
+        return chat_templates.load_tokenizer(args.tokenizer, args.chat_template or "", "--chat-template")
+    except chat_templates.TemplateError as e:
+        raise DataError(f"--tokenizer {args.tokenizer}: {e}") from None
+    except (OSError, ValueError) as e:
+        raise DataError(
+            f"--tokenizer {args.tokenizer}: no tokenizer could be loaded ({str(e).strip()[:200]})"
+        ) from None
 
 
 def add_input_arguments(parser: argparse.ArgumentParser, what: str) -> None:
@@ -125,6 +198,12 @@ def add_input_arguments(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--config-name", help="configuration of a datasets name/path (GSM8K: main)")
     parser.add_argument(
         "--tokenizer", required=True, help=f"tokenizer (model dir) whose chat template renders the {what}"
+    )
+    parser.add_argument(
+        "--chat-template",
+        metavar="NAME_OR_FILE",
+        help=f"chat template for a tokenizer without one (a base model): {', '.join(chat_templates.BUILT_IN)} or a "
+        "Jinja file; give the trainer's model (actor) chat_template the same",
     )
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument(
@@ -144,5 +223,10 @@ def parse_input_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] |
     args = parser.parse_args(argv)
     if not 0.0 <= args.validation_fraction <= 1.0:
         parser.error(f"--validation-fraction must be in [0, 1], got {args.validation_fraction}")
+    if args.chat_template:
+        try:
+            chat_templates.resolve(args.chat_template, "--chat-template")
+        except chat_templates.TemplateError as e:
+            parser.error(str(e))
     args.columns = column_map(parser, args)
     return args

@@ -153,7 +153,7 @@ def test_a_validation_only_file(tmp_path, synthetic_pairs, tiny_model_dir, capsy
         run(tmp_path, [synthetic_pairs], tiny_model_dir, "--validation-fraction", "1.5")
 
 
-def test_length_limits_drop_and_count(tmp_path, tiny_model_dir):
+def test_length_limits_drop_and_count(tmp_path, tiny_model_dir, capsys):
     rows = [
         {"prompt": "short", "chosen": "ok", "rejected": "no"},
         {"prompt": "word " * 60, "chosen": "ok", "rejected": "no"},
@@ -166,12 +166,20 @@ def test_length_limits_drop_and_count(tmp_path, tiny_model_dir):
     summary = json.loads((out / "summary.json").read_text())
     assert code == 0 and summary["kept"] == 1
     assert summary["dropped"] == {"prompt_too_long": 1, "too_long": 1}
+    # why, naming the flag that keeps them, in the summary and the printed table
+    assert summary["dropped_why"] == {
+        "prompt_too_long": "more than --max-prompt-length 40 tokens (a higher --max-prompt-length keeps them)",
+        "too_long": "more than --max-length 60 tokens (a higher --max-length keeps them)",
+    }
+    printed = capsys.readouterr().out
+    assert "    too_long                         1  more than --max-length 60 tokens (a higher --max-length" in printed
 
 
 def test_no_usable_rows_is_an_error(tmp_path, tiny_model_dir, capsys):
     src = write_jsonl(tmp_path / "same.jsonl", [{"prompt": "p", "chosen": "x", "rejected": "x"}])
     assert run(tmp_path, [src], tiny_model_dir)[0] == 2
-    assert "no usable pairs" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"no usable pairs in ['{src}'] (read 1; 1 dropped as identical_responses: chosen and rejected are" in err
 
 
 def test_real_hh_harmless_converts_cleanly(tmp_path, hh_path, hh_tokenizer):

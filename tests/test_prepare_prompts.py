@@ -10,6 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from data_prep import prepare_prompts
+from engine.data.chat import prompt_ids
 from engine.data.errors import DataFileError
 from engine.data.prompts import load_prompts
 
@@ -138,3 +139,69 @@ def test_skip_invalid_counts_every_reason(tmp_path, tiny_model_dir):
     }
     assert summary["dropped"] == {"empty_prompt": 1}
     assert [r["answer"] for r in pq.read_table(out / "prompts_train.parquet").to_pylist()] == ["2", "4"]
+
+
+def test_an_instruction_a_system_prompt_and_tools_are_in_the_rendered_prompt(tmp_path, tiny_model_dir, capsys):
+    """GSM8K's layout with verl's instruction: what the policy sees (rendered as the trainer renders the
+    file, tools through the template's tools=) carries each, and the summary records them."""
+    rows = [{"question": f"What is {i} plus {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"} for i in range(8)]
+    src = write_jsonl(tmp_path / "gsm8k.jsonl", rows)
+    instruction = "Let's think step by step and output the final answer after '####'."
+    flags = ["--prompt-column", "question", "--fields", "answer", "--extract", "answer=gsm8k"]
+    flags += ["--prompt-template", "{question} " + instruction, "--system-prompt", "You are a careful tutor."]
+    code, out = run(tmp_path, src, tiny_model_dir, *flags, "--tools", "calculator", "--validation-fraction", "0")
+    assert code == 2  # the tool schema's tokens (bytes to the tiny tokenizer) exceed the default
+    assert "(read 8; 8 dropped as prompt_too_long: more than --max-prompt-tokens 512 tokens" in capsys.readouterr().err
+    flags += ["--max-prompt-tokens", "2048"]
+    code, out = run(tmp_path, src, tiny_model_dir, *flags, "--tools", "calculator", "--validation-fraction", "0")
+    assert code == 0
+    summary = json.loads((out / "prompts_summary.json").read_text())
+    assert summary["prompt_template"] == "{question} " + instruction
+    assert summary["system_prompt"] == "You are a careful tutor." and summary["tools"] == ["calculator"]
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = load_prompts(str(out / "prompts_train.parquet"), {"answer": "rewards.math.field"})
+    table = pq.read_table(out / "prompts_train.parquet").to_pylist()
+    for prompt, stored in zip(prompts, table):
+        ids = prompt_ids(tok, prompt.messages)
+        assert len(ids) == stored["prompt_tokens"]
+        text = tok.decode(ids)
+        question = prompt.messages[-1]["content"].removesuffix(" " + instruction)
+        assert f"user\n{question} {instruction}<|im_end|>" in text
+        assert "system\nYou are a careful tutor.\n\n# Tools" in text and '"name": "calculator"' in text
+        assert text.index("You are a careful tutor.") < text.index("<tools>") < text.index(question)
+        assert prompt.fields["answer"] == str(2 * int(question.split()[2]))
+
+
+def test_bad_prompt_options_are_refused_before_any_row_is_read(tmp_path, tiny_model_dir, capsys):
+    src = write_jsonl(tmp_path / "rows.jsonl", [row(1), row(2)])
+    for template, message in (
+        ("{prompt", "--prompt-template: not a format string"),
+        ("{0} step by step", "{0} is not a column name"),
+        ("Solve it.", "--prompt-template names no field"),
+    ):
+        with pytest.raises(SystemExit) as exit:
+            run(tmp_path, src, tiny_model_dir, "--prompt-template", template)
+        assert exit.value.code == 2 and message in capsys.readouterr().err
+    (tmp_path / "tools.json").write_text(json.dumps([{"type": "function", "function": {"parameters": {}}}]))
+    with pytest.raises(SystemExit):
+        run(tmp_path, src, tiny_model_dir, "--tools", str(tmp_path / "tools.json"))
+    assert f"--tools {tmp_path / 'tools.json'}: item 0: expected" in capsys.readouterr().err
+
+    # a field the row lacks: exit 2 at the row, naming the field and the row's columns, even with --skip-invalid
+    code, out = run(tmp_path, src, tiny_model_dir, "--prompt-template", "{question} step by step", "--skip-invalid")
+    assert code == 2 and not out.exists()
+    err = capsys.readouterr().err
+    assert f"{src}:1: --prompt-template names 'question', which this row lacks; its columns: ['answer'," in err
+
+    # a template that ignores tools=, and one that cannot render a system message, are refused by the flag
+    plain = tmp_path / "plain"
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+    tok.save_pretrained(plain)
+    assert run(tmp_path, src, plain, "--tools", "calculator,python")[0] == 2
+    assert f"--tools: the chat template of {plain} ignores tools=" in capsys.readouterr().err
+    tok.chat_template = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+    tok.save_pretrained(plain)
+    assert run(tmp_path, src, plain, "--system-prompt", "Be brief.")[0] == 2
+    assert f"--system-prompt: the chat template of {plain} cannot render it (no system role)" in capsys.readouterr().err

@@ -72,6 +72,35 @@ def test_datasets_saved_to_disk(tmp_path):
     assert [loc for loc, _ in iter_rows(str(tmp_path / "d"))] == [f"{tmp_path / 'd'}[train row 1]"]
 
 
+def test_a_missing_split_lists_the_splits_there_are(tmp_path, tiny_model_dir, capsys):
+    """UltraFeedback-binarized's splits, saved to disk and as the hub lays out its files: asked for
+    the default 'train', the script stops (exit 2) naming the source, the split and the ones there are."""
+    import datasets
+
+    from data_prep import prepare_preferences
+
+    pairs = datasets.Dataset.from_list(ROWS)
+    datasets.DatasetDict({"train_prefs": pairs, "test_prefs": pairs}).save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "hub" / "data").mkdir(parents=True)
+    for split in ("train_prefs", "test_prefs"):
+        pairs.to_parquet(str(tmp_path / "hub" / "data" / f"{split}-00000-of-00001.parquet"))
+    for source in (tmp_path / "saved", tmp_path / "hub"):
+        argv = ["--input", str(source), "--tokenizer", str(tiny_model_dir), "--out", str(tmp_path / "out")]
+        assert prepare_preferences.main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"error: {source}: no split 'train' (--split); its splits: " in err, err
+        assert "train_prefs" in err and "test_prefs" in err
+        assert [row for _, row in iter_rows(str(source), split="test_prefs")] == ROWS
+
+
+def test_a_configuration_of_a_saved_directory_is_refused_by_name(tmp_path):
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS)}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(DataError, match=r"dd: --config-name main applies to a datasets hub name or script"):
+        list(iter_rows(str(tmp_path / "dd"), config_name="main"))
+
+
 def test_missing_and_unsupported_files(tmp_path):
     with pytest.raises(DataError, match="no such file"):
         list(iter_rows(str(tmp_path / "missing.jsonl")))

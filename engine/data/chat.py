@@ -5,16 +5,22 @@ with ``add_generation_prompt=True`` (it ends where the assistant starts writing)
 sequence appends the response as one assistant message. The response tokens are the full
 sequence minus the prompt prefix, so the reward is read at the last token of the assistant
 turn as the template closes it (e.g. ``<|im_end|>``).
+
+A prompt may carry tool schemas (OpenAI function format) as its first message, of role
+:data:`TOOLS_ROLE` with the schemas' JSON list as content (data_prep/prepare_prompts.py ``--tools``
+writes it): every rendering here passes them to the template as ``tools=`` instead of as a message.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 from transformers import PreTrainedTokenizerBase
 
 Message = dict[str, str]
+TOOLS_ROLE = "tools"  # not a chat role: the prepare scripts refuse it in input rows
 
 
 class TemplateMismatch(ValueError):
@@ -28,16 +34,31 @@ class TemplateMismatch(ValueError):
 PROBE = "The answer is 42."  # an assistant message's content, rendered to find what the template puts around it
 
 
+def tools_message(tools: Sequence[dict[str, Any]]) -> Message:
+    """The first prompt message that carries ``tools`` (see the module docstring)."""
+    return {"role": TOOLS_ROLE, "content": json.dumps(list(tools))}
+
+
+def split_tools(prompt: Sequence[Message]) -> tuple[list[Message], list[Any] | None]:
+    """The prompt's chat messages and its tool schemas (None: it carries none)."""
+    if prompt and prompt[0]["role"] == TOOLS_ROLE:
+        return list(prompt[1:]), json.loads(prompt[0]["content"])
+    return list(prompt), None
+
+
 def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Sequence[Message]) -> str:
     """The prompt as text, ending with the template's assistant header."""
-    text = tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+    messages, tools = split_tools(prompt)
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     return cast(str, text)  # tokenize=False: the rendered text
 
 
 def render_conversation(tokenizer: PreTrainedTokenizerBase, prompt: Sequence[Message], response: str) -> str:
     """Prompt plus the response as one closed assistant turn, as text."""
-    messages = [*prompt, {"role": "assistant", "content": response}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    messages, tools = split_tools(prompt)
+    text = tokenizer.apply_chat_template(
+        [*messages, {"role": "assistant", "content": response}], tools=tools, tokenize=False
+    )
     return cast(str, text)  # tokenize=False: the rendered text
 
 

@@ -19,6 +19,7 @@ from engine.rewards.components import RewardComponents, RewardsConfigError
 from engine.rewards.sandbox import describe_isolation
 from engine.run.launch import RunRefused
 from engine.run.preflight import (
+    check_data_templates,
     check_lora_targets,
     check_reward_model,
     check_shared_vocabulary,
@@ -82,7 +83,12 @@ def check_models(cfg: PPOConfig) -> Tokenizers:
     """The models' tokenizers, once the model directories are found usable (whole weight files that
     fit their configs, trained reward models, a teacher that shares the actor's vocabulary, LoRA targets
     that exist, a model vLLM can run), before any model loads."""
-    tokenizer = load_tokenizer(cfg.actor.path, "actor.path", cfg.actor.trust_remote_code)
+    actor = cfg.actor
+    tokenizer = load_tokenizer(
+        actor.path, "actor.path", actor.trust_remote_code, actor.chat_template, "actor.chat_template"
+    )
+    data = {"data.prompts": cfg.data.prompts, "data.eval_prompts": cfg.data.eval_prompts}
+    check_data_templates(tokenizer, data, "actor.chat_template")
     check_weights(cfg.actor.path, "actor.path", value_head=False, trust_remote_code=cfg.actor.trust_remote_code)
     reward_tokenizers = []
     for key, rm in (("reward_model", cfg.reward_model), ("judge.reward_model", cfg.judge.reward_model)):

@@ -8,6 +8,7 @@ import os
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from engine.data import chat_templates
 from engine.models.loading import meta_model
 from engine.models.lora import add_adapters
 from engine.models.weight_files import DamagedWeights, check_weight_files
@@ -21,20 +22,31 @@ def _first_line(error: Exception) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
-def load_tokenizer(path: str, key: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """The tokenizer at ``path`` (the run config's ``key``); it must carry a chat template, which
-    renders every prompt and response (engine/data/chat.py)."""
+def load_tokenizer(
+    path: str, key: str, trust_remote_code: bool = False, chat_template: str = "", template_key: str | None = None
+) -> PreTrainedTokenizerBase:
+    """The tokenizer at ``path`` (the run config's ``key``) with ``chat_template`` (the config's
+    ``template_key``: a built-in name or a Jinja file, engine/data/chat_templates.py; '': its own); it
+    must end up with a chat template, which renders every prompt and response (engine/data/chat.py)."""
+    option = f"'{template_key}'" if template_key else "the chat_template key of the run that trains it"
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return chat_templates.load_tokenizer(path, chat_template, option, trust_remote_code)
+    except chat_templates.TemplateError as e:
+        raise RunRefused("model", f"'{key}' ({path}): {e}") from None
     except (OSError, ValueError) as e:
         raise RunRefused("model", f"'{key}' ({path}): no tokenizer could be loaded ({_first_line(e)})") from None
-    if not tokenizer.chat_template:
-        raise RunRefused(
-            "model",
-            f"'{key}' ({path}): the tokenizer has no chat template, which renders every prompt and response; give it "
-            "one (tokenizer.chat_template = ..., then save_pretrained), e.g. the instruct model's of its family",
-        )
-    return tokenizer
+
+
+def check_data_templates(tokenizer: PreTrainedTokenizerBase, data: dict[str, str], template_key: str) -> None:
+    """Each data file (config key -> path) was prepared with ``tokenizer``'s chat template, where the
+    summary the prepare script wrote beside it says (engine/data/chat_templates.py)."""
+    for key, path in data.items():
+        if path and (difference := chat_templates.data_template_difference(path, tokenizer)):
+            raise RunRefused(
+                "data",
+                f"'{key}' ({path}): {difference}; prepare it again with the same --chat-template as "
+                f"'{template_key}' (token counts and length filters depend on the template)",
+            )
 
 
 def model_config(path: str, key: str, trust_remote_code: bool = False) -> PretrainedConfig:

@@ -42,7 +42,7 @@ from engine.run.checkpoint import content_fingerprint
 from engine.run.guards import NonFiniteGuard
 from engine.run.launch import RunArgs
 from engine.run.lifecycle import RunEnded, RunLifecycle
-from engine.run.preflight import check_weights, load_tokenizer
+from engine.run.preflight import check_data_templates, check_weights, load_tokenizer
 from engine.run.step_metrics import optimizer_step_metrics
 from engine.run_config.common import (
     CheckpointSection,
@@ -62,10 +62,12 @@ TrainStep = Callable[[list[Any], list[int], int], Metrics]
 
 
 class TrainData(Protocol):
-    """The data section: the train data's file at least."""
+    """The data section: the train data's file and the validation data's ('': none) at least."""
 
     @property
     def train(self) -> str: ...
+    @property
+    def validation(self) -> str: ...
 
 
 class SupervisedConfig(Protocol):
@@ -157,7 +159,11 @@ class SupervisedRun:
         self.cfg, self.run_args, self.rank, self.world = cfg, run_args, rank, world
         self.components, self.lora = components, lora
         self.ds_config = training_ds_config(cfg.deepspeed, bool(cfg.model.bf16))
-        self.tokenizer = load_tokenizer(cfg.model.path, "model.path", cfg.model.trust_remote_code)
+        self.tokenizer = load_tokenizer(
+            cfg.model.path, "model.path", cfg.model.trust_remote_code, cfg.model.chat_template, "model.chat_template"
+        )
+        data = {"data.train": cfg.data.train, "data.validation": cfg.data.validation}
+        check_data_templates(self.tokenizer, data, "model.chat_template")
         check_weights(
             cfg.model.path,
             "model.path",

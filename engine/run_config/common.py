@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from engine.config import Config, ConfigError, option, required, section
+from engine.data.chat_templates import BUILT_IN, TemplateError, resolve
 
 MAX_SEED = 2**31 - 1  # numpy seeds stay below 2**32; derived per-rank and per-iteration seeds must fit too
 # DeepSpeed config keys the scripts set themselves (engine/models/deepspeed_glue.training_ds_config):
@@ -55,6 +56,18 @@ class ModelSection(Config):
     )
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
     trust_remote_code: bool = option(False, "allow custom modelling code from the checkpoint")
+    chat_template: str = option(
+        "",
+        f"chat template for a tokenizer without one (a base model): a built-in ({', '.join(BUILT_IN)}) or a Jinja "
+        "file, as data_prep's --chat-template; saved with the trained model ('': the tokenizer's own)",
+    )
+
+    def check(self) -> None:
+        if self.chat_template:
+            try:
+                resolve(self.chat_template, "'chat_template'")
+            except TemplateError as e:
+                raise ConfigError(str(e)) from None
 
 
 class LoraSection(Config):
