@@ -210,22 +210,38 @@ def save_hf_model(
     state = merged_state_dict(engine.module) if lora else full_state_dict(engine)
     adapter = full_state_dict(engine, trained_only=True) if lora else None
     if torch.distributed.get_rank() == 0:
-        tmp = f"{out_dir}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        hf_model = engine.module.get_base_model() if lora else engine.module
-        hf_model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-        if lora:
-            engine.module.save_pretrained(os.path.join(tmp, "adapter"), state_dict=adapter)
-        tokenizer.save_pretrained(tmp)
-        for name, payload in (extra_json or {}).items():
-            with open(os.path.join(tmp, name), "w") as f:
-                json.dump(payload, f, indent=2)
-        old = f"{out_dir}.old"
-        if os.path.isdir(out_dir):
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
+        assert state is not None
+        write_hf_model(engine.module, state, tokenizer, out_dir, extra_json, adapter)
     torch.distributed.barrier()
+
+
+def write_hf_model(
+    module: PreTrainedModel | PeftModel,
+    state: dict[str, torch.Tensor],
+    tokenizer: PreTrainedTokenizerBase,
+    out_dir: str,
+    extra_json: dict[str, dict] | None = None,
+    adapter: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Write ``state`` (the full weights; a PEFT ``module``'s merged, under its base model's names) as
+    ``module``'s HF model with ``tokenizer`` and ``extra_json`` files to ``out_dir``, and a PEFT module's
+    ``adapter`` weights in PEFT format to ``out_dir/adapter``: into a temporary sibling, renamed into
+    place (an earlier ``out_dir`` is replaced). One process (:func:`save_hf_model`'s rank 0, the export)."""
+    tmp = f"{out_dir}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    hf_model = cast(PreTrainedModel, module.get_base_model() if isinstance(module, PeftModel) else module)
+    hf_model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+    if isinstance(module, PeftModel):
+        module.save_pretrained(os.path.join(tmp, "adapter"), state_dict=adapter)
+    tokenizer.save_pretrained(tmp)
+    for name, payload in (extra_json or {}).items():
+        with open(os.path.join(tmp, name), "w") as f:
+            json.dump(payload, f, indent=2)
+    old = f"{out_dir}.old"
+    if os.path.isdir(out_dir):
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def scale_learning_rate(engine, factor: float) -> None:
