@@ -30,7 +30,7 @@ from transformers import (
 )
 
 from data_prep.sources import BadJSON, DataError, iter_rows
-from engine.data.chat_templates import BUILT_IN, CHATML
+from engine.run_config.chat_template import BUILT_IN, CHATML
 
 PAD, BOS, IM_START, IM_END = "<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 # A template as some real ones are: the generation prompt ends "assistant:", a closed turn renders

@@ -20,6 +20,7 @@ from data_prep.columns import AS_GIVEN, ColumnMap, add_column_arguments, column_
 from data_prep.preference_rows import DroppedRow, InvalidRow, Message
 from data_prep.sources import DataError, OptionError, iter_rows
 from engine.data import chat_templates
+from engine.run_config.chat_template import BUILT_IN, TemplateError, resolve
 
 MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 T = TypeVar("T")
@@ -178,7 +179,7 @@ def load_tokenizer(args: argparse.Namespace) -> PreTrainedTokenizerBase:
     cannot be loaded or has no chat template."""
     try:
         return chat_templates.load_tokenizer(args.tokenizer, args.chat_template or "", "--chat-template")
-    except chat_templates.TemplateError as e:
+    except TemplateError as e:
         raise DataError(f"--tokenizer {args.tokenizer}: {e}") from None
     except (OSError, ValueError) as e:
         raise DataError(
@@ -202,7 +203,7 @@ def add_input_arguments(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument(
         "--chat-template",
         metavar="NAME_OR_FILE",
-        help=f"chat template for a tokenizer without one (a base model): {', '.join(chat_templates.BUILT_IN)} or a "
+        help=f"chat template for a tokenizer without one (a base model): {', '.join(BUILT_IN)} or a "
         "Jinja file; give the trainer's model (actor) chat_template the same",
     )
     parser.add_argument("--out", required=True, help="output directory")
@@ -225,8 +226,8 @@ def parse_input_arguments(parser: argparse.ArgumentParser, argv: Sequence[str] |
         parser.error(f"--validation-fraction must be in [0, 1], got {args.validation_fraction}")
     if args.chat_template:
         try:
-            chat_templates.resolve(args.chat_template, "--chat-template")
-        except chat_templates.TemplateError as e:
+            resolve(args.chat_template, "--chat-template")
+        except TemplateError as e:
             parser.error(str(e))
     args.columns = column_map(parser, args)
     return args

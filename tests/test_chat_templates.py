@@ -12,10 +12,11 @@ from transformers import AutoTokenizer
 
 from data_prep import make_tiny_model, prepare_sft
 from engine.config import ConfigError, build_config
-from engine.data.chat_templates import CHATML, data_template_difference, fingerprint, resolve, summary_path
+from engine.data.chat_templates import data_template_difference, fingerprint, summary_path
 from engine.run.launch import RunRefused
 from engine.run.preflight import check_data_templates, load_tokenizer
 from engine.run_config import SFTConfig
+from engine.run_config.chat_template import CHATML, resolve
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import runpy
 from pathlib import Path
 
 import pytest
-from helpers import FORKING_PYTHON, REPO
+from helpers import FORKING_PYTHON, REPO, free_port
 from test_exact_match import PROBLEM, fitted_model
 
 from data_prep import prepare_prompts
@@ -62,7 +62,10 @@ def read(out: Path) -> tuple[dict, list[dict]]:
 
 
 def test_evaluation_end_to_end(process_group, sft_run, rm_run, rm_data, tmp_path, monkeypatch, capsys):
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+    # The rendezvous of an in-process group; monkeypatch restores them, so that no later launch inherits
+    # this process's port (join_world would set MASTER_PORT for good, and its store keeps the port bound).
+    rendezvous = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    for name, value in (rendezvous | {"MASTER_PORT": str(free_port())}).items():
         monkeypatch.setenv(name, value)
     sft, rm = sft_run[0] / "run" / "model", rm_run[0] / "run" / "model"
     prompts = rm_data / "prompts_validation.parquet"

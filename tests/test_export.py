@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import REPO, SFT_EVERY, metric_series
+from helpers import REPO, SFT_EVERY, free_port, metric_series
 from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
@@ -76,7 +76,10 @@ def test_a_mid_run_checkpoint_exports_to_a_model_transformers_and_vllm_load(
     # vLLM loads it and its greedy responses are HF's (fp32).
     from engine.rollout.vllm_sampler import VLLMSampler
 
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+    # The rendezvous of an in-process group; monkeypatch restores them, so that no later launch inherits
+    # this process's port (join_world would set MASTER_PORT for good, and its store keeps the port bound).
+    rendezvous = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    for name, value in (rendezvous | {"MASTER_PORT": str(free_port())}).items():
         monkeypatch.setenv(name, value)
     messages = [[{"role": "user", "content": p}] for p in PROMPTS]
     sampler = VLLMSampler(str(out), 0, "float32", 256, tokenizer.eos_token_id, 16 << 20)

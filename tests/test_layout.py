@@ -8,8 +8,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 # Lowest first. A module may import from its own layer's package and from layers below it; sft, rm,
-# ppo and dpo are peers that never import each other. engine/config.py and the engine/run_config/ package (the
-# config schema) sit under everything; train/ sits on top. The models (loading, LoRA, DeepSpeed engines) sit under the
+# ppo and dpo are peers that never import each other, and evaluate and export (after training) sit over
+# them. engine/config.py and the engine/run_config/ package (the config schema) sit under everything;
+# train/ sits on top. The models (loading, LoRA, DeepSpeed engines) sit under the
 # run (process group, launch, lifecycle, checkpoints, guards) that drives them.
 LAYERS = [
     ("engine.config", "engine.run_config"),
@@ -21,6 +22,7 @@ LAYERS = [
     ("engine.rewards",),
     ("engine.environments",),
     ("engine.sft", "engine.rm", "engine.ppo", "engine.dpo"),
+    ("engine.evaluate", "engine.export"),
     ("train",),
 ]
 

@@ -47,6 +47,7 @@ DOCS_ORDER = [
     "README.md",
     "install.md",
     "demo.md",
+    "evaluation.md",
     "data.md",
     "own-model.md",
     "configs.md",

@@ -2,7 +2,7 @@
 and the trainers' ``chat_template`` config keys, and the fingerprint that ties prepared data to the
 template that rendered it.
 
-A template is given as a built-in name (:data:`BUILT_IN`) or a Jinja file. The prepare scripts record
+A template is given as a built-in name or a Jinja file (engine/run_config/chat_template.py). The prepare scripts record
 the :func:`fingerprint` of the template they rendered with in their summary JSON beside the parquet
 files; a trainer refuses data whose summary names another template than its tokenizer's
 (:func:`data_template_difference`), since the token counts and length filters were computed with it.
@@ -15,48 +15,14 @@ import json
 import os
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # transformers loads with a tokenizer: the configs import this module for BUILT_IN
+from engine.run_config.chat_template import BUILT_IN, TemplateError, resolve
+
+if TYPE_CHECKING:  # transformers loads with a tokenizer
     from transformers import PreTrainedTokenizerBase
 
-# ChatML (Qwen's layout). With tools= it renders their schemas in a system turn, then the row's own
-# system message, as Qwen2.5's template does, so that ``<tool_call>{...}</tool_call>``
-# (engine/environments/tools.py) is the format the prompt asks for; without tools it is plain ChatML.
-CHATML = (
-    "{% if tools %}{{ '<|im_start|>system\\n' }}"
-    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
-    "{{ '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
-    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
-    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
-    'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": '
-    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}{% endif %}"
-    "{% for message in messages %}"
-    "{% if not (tools and loop.first and message['role'] == 'system') %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-BUILT_IN = {"chatml": CHATML}
 # The summaries the prepare scripts write beside their files, by file-name prefix, most specific first.
 SUMMARY_FILES = {"sft_": ("sft_summary.json",), "prompts_": ("prompts_summary.json", "summary.json")}
 SUMMARY_KEY = "chat_template"
-
-
-class TemplateError(ValueError):
-    """A chat template that cannot be used; the message names the option that gave it."""
-
-
-def resolve(value: str, option: str) -> str:
-    """The template text of ``value`` (the ``option`` that gave it): a built-in name or a Jinja file."""
-    if value in BUILT_IN:
-        return BUILT_IN[value]
-    if not os.path.isfile(value):
-        raise TemplateError(f"{option} {value!r}: neither a built-in ({', '.join(BUILT_IN)}) nor a Jinja file")
-    with open(value, encoding="utf-8") as f:
-        text = f.read()
-    if not text.strip():
-        raise TemplateError(f"{option} {value!r}: the file is empty")
-    return text
 
 
 def load_tokenizer(

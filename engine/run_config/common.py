@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from engine.config import Config, ConfigError, option, required, section
-from engine.data.chat_templates import BUILT_IN, TemplateError, resolve
+from engine.run_config.chat_template import BUILT_IN, TemplateError, resolve
 
 MAX_SEED = 2**31 - 1  # numpy seeds stay below 2**32; derived per-rank and per-iteration seeds must fit too
 # DeepSpeed config keys the scripts set themselves (engine/models/deepspeed_glue.training_ds_config):
