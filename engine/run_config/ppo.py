@@ -248,8 +248,8 @@ class PPOConfig(Config):
             )
         if self.ppo.old_logprobs_from == "sampler" and self.actor.bf16:
             raise ConfigError(
-                "ppo.old_logprobs_from sampler needs fp32 weights (actor.bf16 false): in bf16 the sampler's and the "
-                "actor's log-probs differ by ~1e-3, so PPO must recompute them"
+                "ppo.old_logprobs_from sampler needs fp32 weights (actor.bf16 false): in bf16 the sampler's kernels "
+                "round otherwise than the actor's, so PPO must recompute the old log-probs"
             )
         if self.rollout.prompts_per_iteration * self.rollout.samples_per_prompt % self.ppo.mini_batch_size:
             raise ConfigError(self._mini_batch_rule())

@@ -78,8 +78,8 @@ class RolloutSection(Config):
         "the largest mean per-token |sampler - actor| log-prob gap: of that check with mode async; colocated, of each "
         "iteration's ppo/sampler_logprob_gap (over the samples drawn in that iteration, not dynamic sampling's groups "
         "that waited from an earlier one). "
-        "Above it the run stops (checkpoint, exit 2). fp32 gaps are ~1e-7, bf16 ~1e-3; a head left stale by a broken "
-        "sync measured 0.12",
+        "Above it the run stops (checkpoint, exit 2). fp32 gaps are ~1e-7, bf16 with HF generate on a GPU 2e-5 (vLLM "
+        "on CUDA not yet measured); a head left stale by a broken sync measured 0.12",
         gt=0,
     )
 
