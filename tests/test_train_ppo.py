@@ -5,15 +5,12 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 from helpers import (
     PPO_EVERY,
     PPO_ITERATIONS,
-    REPO,
     TASK_WORDS,
     assert_repeats,
     faults,
@@ -167,18 +164,8 @@ def test_exported_actor_loads_and_differs_from_the_start(ppo_run, tiny_model_dir
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     assert trained.keys() == start.keys()
     assert not torch.equal(trained["lm_head.weight"], start["lm_head.weight"])
-    # The export serves as it trained: vLLM and transformers generate the same greedy tokens from it.
-    greedy = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "scripts" / "vllm_greedy.py"), str(root / "run" / "actor")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
-    assert greedy.returncode == 0, greedy.stderr[-3000:]
-    (line,) = [line for line in greedy.stdout.splitlines() if line.startswith("{")]
-    result = json.loads(line)
-    assert result["vllm"] == result["hf"] and all(result["vllm"])
+    # vLLM serves it as transformers does: the same writer's output (write_hf_model) gives vLLM greedy == HF
+    # greedy in tests/test_export.py, and docs/evaluation.md's walk-through samples from the demo's actor.
 
 
 def test_a_resume_from_the_last_checkpoint_repeats_the_run(ppo_run, tmp_path):
